@@ -1,0 +1,3 @@
+"""jserve: an LLM inference engine on JAX."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,18 @@
+"""Paged attention: the batch metadata interface, the KV cache arrays and the plain-JAX reference."""
+
+from jserve.attention.kv_cache import KVCache, KVPages, allocate_kv_cache, kv_cache_bytes_per_token
+from jserve.attention.metadata import PAD_SLOT, AttentionMetadata, ModelInput, single_sequence_input
+from jserve.attention.reference import paged_attention, write_kv
+
+__all__ = [
+    "PAD_SLOT",
+    "AttentionMetadata",
+    "KVCache",
+    "KVPages",
+    "ModelInput",
+    "allocate_kv_cache",
+    "kv_cache_bytes_per_token",
+    "paged_attention",
+    "single_sequence_input",
+    "write_kv",
+]

@@ -1,0 +1,179 @@
+"""The model's shape and numerics, read from a Hugging Face config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jserve.errors import ModelLoadError
+
+# Hugging Face class name / model_type -> jserve family.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    # Per-frequency divisors some GGUF files carry instead of a rope_scaling block (llama.cpp's rope_freqs).
+    rope_freq_factors: tuple[float, ...] | None = None
+    # Per layer: attention window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.family not in SUPPORTED_FAMILIES:
+            raise ModelLoadError(f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if not self.sliding_windows:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.sliding_windows) != self.num_layers:
+            raise ModelLoadError(f"{len(self.sliding_windows)} sliding-window entries for {self.num_layers} layers")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        for key in ("rope_freq_factors", "sliding_windows", "eos_token_ids"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def family_from_hf(config: dict[str, Any], source: str) -> str:
+    for name in config.get("architectures") or ():
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    model_type = config.get("model_type")
+    if model_type in SUPPORTED_FAMILIES:
+        return model_type
+    found = config.get("architectures") or model_type
+    raise ModelLoadError(
+        f"{source}: unsupported architecture {found!r}; supported: {', '.join(sorted(HF_ARCHITECTURES))} "
+        f"(model_type {', '.join(SUPPORTED_FAMILIES)})"
+    )
+
+
+def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either transformers 5's `rope_parameters` or the older `rope_scaling`."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    return theta, RopeScaling(rope_type=rope_type, **{k: v for k, v in params.items() if k in fields and k != "rope_type"})
+
+
+def sliding_windows_from_hf(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+    window = config.get("sliding_window")
+    if window is None:
+        return (None,) * num_layers
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if family in ("qwen2", "qwen3"):
+        # Older Qwen configs: sliding only when enabled, and only from max_window_layers on.
+        if not config.get("use_sliding_window", False):
+            return (None,) * num_layers
+        first = config.get("max_window_layers", num_layers)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
+
+
+def config_from_hf(config: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    family = family_from_hf(config, source)
+    try:
+        num_heads = config["num_attention_heads"]
+        hidden = config["hidden_size"]
+        num_layers = config["num_hidden_layers"]
+        theta, scaling = rope_from_hf(config, source)
+        eos = config.get("eos_token_id")
+        return ModelConfig(
+            family=family,
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=config.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            rope_scaling=scaling,
+            sliding_windows=sliding_windows_from_hf(config, family, num_layers),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            bos_token_id=config.get("bos_token_id"),
+        )
+    except KeyError as missing:
+        raise ModelLoadError(f"{source}: missing required field {missing}") from None
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path}: not valid JSON ({err})") from None
+    config = config_from_hf(data, str(path))
+    # generation_config.json's EOS ids are the ones generation stops on.
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as err:
+            raise ModelLoadError(f"{gen_path}: not valid JSON ({err})") from None
+        if eos is not None:
+            ids = tuple(eos if isinstance(eos, list) else [eos])
+            config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(ids + config.eos_token_ids)))
+    return config

@@ -1,0 +1,49 @@
+"""Greedy decoding of one sequence straight on the model layer (the engine of #3 supersedes it for serving).
+
+Prefill runs padded to a power-of-two bucket; decode runs one token per step; both read and write the
+paged KV cache through the same metadata interface the engine uses.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.attention import allocate_kv_cache, single_sequence_input
+from jserve.loader import LoadedModel
+from jserve.models import forward_step
+
+PAGE_SIZE = 16
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+def prompt_logits(model: LoadedModel, prompt_ids: list[int]) -> np.ndarray:
+    """float32 logits [len(prompt), vocab] for every prompt position."""
+    n = len(prompt_ids)
+    pages = np.arange(-(-n // PAGE_SIZE), dtype=np.int32)
+    kv = allocate_kv_cache(model.config, len(pages), PAGE_SIZE, model.dtype)
+    batch = single_sequence_input(np.asarray(prompt_ids), 0, pages, PAGE_SIZE, bucket(n), all_logits=True)
+    logits, _ = forward_step(model.graphdef, model.params, kv, batch)
+    return np.asarray(logits)
+
+
+def greedy_generate(
+    model: LoadedModel, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] | None = None
+) -> list[int]:
+    """Up to max_new_tokens argmax tokens after the prompt, ending early at a stop id (included)."""
+    stop = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
+    n = len(prompt_ids)
+    pages = np.arange(-(-(n + max_new_tokens) // PAGE_SIZE), dtype=np.int32)
+    kv = allocate_kv_cache(model.config, len(pages), PAGE_SIZE, model.dtype)
+    batch = single_sequence_input(np.asarray(prompt_ids), 0, pages, PAGE_SIZE, bucket(n))
+    output: list[int] = []
+    while True:
+        logits, kv = forward_step(model.graphdef, model.params, kv, batch)
+        token = int(jnp.argmax(logits[-1]))
+        output.append(token)
+        if token in stop or len(output) >= max_new_tokens:
+            return output
+        batch = single_sequence_input(np.array([token]), n + len(output) - 1, pages, PAGE_SIZE, 1)

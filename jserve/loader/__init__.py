@@ -1,0 +1,78 @@
+"""Load a model and its tokenizer from any supported source: the default model, GGUF, HF folder or Orbax."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jserve.config import ModelConfig, read_hf_config
+from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
+from jserve.loader.orbax_io import load_orbax, read_orbax_config, save_orbax
+from jserve.loader.resolve import ModelSource, resolve_model
+from jserve.loader.safetensors_source import count_tensors, iter_safetensors, safetensors_files
+from jserve.loader.weights import assemble
+from jserve.tokenizer import Tokenizer
+
+log = logging.getLogger("jserve")
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tokenizer: Tokenizer
+    dtype: jnp.dtype
+    source: ModelSource
+
+    def save_orbax(self, folder: str | os.PathLike) -> None:
+        save_orbax(self.config, self.params, self.tokenizer, self.dtype, Path(folder))
+
+
+def resolve_dtype(dtype: str) -> jnp.dtype:
+    """'auto' is float32 on CPU (bfloat16 measured 5-10x slower on CPU XLA) and bfloat16 on accelerators."""
+    if dtype == "auto":
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    return jnp.dtype(DTYPES[dtype])
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder or hub id
+    in the local HF cache, or a `jserve convert` folder."""
+    target_dtype = resolve_dtype(dtype)
+    source = resolve_model(model)
+    start = time.perf_counter()
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)
+        config = gguf_config(reader, source.path)
+        tokenizer = Tokenizer.from_gguf(reader)
+        tensors = iter_gguf_tensors(reader, config, source.path)
+        graphdef, params = assemble(config, tensors, target_dtype, source.path.name, total=len(reader.tensors))
+    elif source.kind == "hf":
+        config = read_hf_config(source.path)
+        tokenizer = Tokenizer.from_folder(source.path)
+        files = safetensors_files(source.path)
+        graphdef, params = assemble(
+            config, iter_safetensors(files), target_dtype, source.path.name, total=count_tensors(files)
+        )
+    else:
+        config, _ = read_orbax_config(source.path)
+        tokenizer = Tokenizer.from_folder(source.path)
+        graphdef, params = load_orbax(source.path, config, target_dtype)
+    log.info(
+        "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s",
+        config.family, source.path, source.kind, time.perf_counter() - start, config.num_layers,
+        sum(x.size for x in jax.tree.leaves(params)) / 1e6, target_dtype.name,
+    )  # fmt: skip
+    return LoadedModel(config, graphdef, params, tokenizer, target_dtype, source)

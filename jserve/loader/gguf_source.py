@@ -1,0 +1,151 @@
+"""A single GGUF file: its config, its tensors dequantized and renamed to the Hugging Face layout.
+
+llama.cpp stores Llama-architecture Q/K projection rows permuted (interleaved rotary halves); they are
+permuted back here, after which they equal the weights transformers loads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from jserve.config import SUPPORTED_FAMILIES, ModelConfig, RopeScaling
+from jserve.errors import ModelLoadError
+
+G = GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = (
+    G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q2_K, G.Q3_K, G.Q4_K, G.Q5_K, G.Q6_K,
+)  # fmt: skip
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+TOP_LEVEL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except Exception as err:  # the reader raises bare ValueError/struct errors on corrupt input
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
+
+
+def field(reader: GGUFReader, key: str, default=None):
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
+
+
+def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)} "
+            f"(jserve families: {', '.join(SUPPORTED_FAMILIES)})"
+        )
+    names = {t.name for t in reader.tensors}
+
+    def meta(key, default=None):
+        value = field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    scaling_type = field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise ModelLoadError(f"{path}: unsupported GGUF rope scaling {scaling_type!r}; supported: none, linear")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = RopeScaling("linear", factor=float(meta("rope.scaling.factor")))
+    freq_factors = None
+    if "rope_freqs.weight" in names:
+        freq_factors = tuple(float(x) for x in _tensor_by_name(reader, "rope_freqs.weight").data)
+    eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    num_layers = meta("block_count")
+    return ModelConfig(
+        family=GGUF_ARCHITECTURES[arch],
+        vocab_size=meta("vocab_size", len(tokens.data) if tokens is not None else None),
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=meta("attention.head_count_kv", heads),
+        head_dim=meta("attention.key_length", hidden // heads),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=meta("context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=rope_scaling,
+        rope_freq_factors=freq_factors,
+        sliding_windows=(None,) * num_layers,
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+
+
+def _tensor_by_name(reader: GGUFReader, name: str):
+    return next(t for t in reader.tensors if t.name == name)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name (without `model.`) for a GGUF tensor; None for tensors folded elsewhere."""
+    if gguf_name in TOP_LEVEL_NAMES:
+        return TOP_LEVEL_NAMES[gguf_name]
+    if gguf_name == "rope_freqs.weight":
+        return None  # folded into ModelConfig.rope_freq_factors
+    match = LAYER_TENSOR.fullmatch(gguf_name)
+    if match and match.group(2) in LAYER_NAMES:
+        layer, kind, suffix = match.groups()
+        return f"layers.{layer}.{LAYER_NAMES[kind]}.{suffix}"
+    return gguf_name  # unknown: reported by the assembler as unexpected
+
+
+def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (per head: interleaved pairs -> two halves)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    llama_layout = field(reader, "general.architecture") == "llama"
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"{path}: tensor {tensor.name!r} has unsupported GGUF type {tensor.tensor_type.name}; "
+                f"supported: {', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
+            )
+        array = dequantize(tensor.data, tensor.tensor_type)
+        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if llama_layout and ".self_attn.q_proj." in name:
+            array = unpermute_rows(array, config.num_heads)
+        elif llama_layout and ".self_attn.k_proj." in name:
+            array = unpermute_rows(array, config.num_kv_heads)
+        yield name, array

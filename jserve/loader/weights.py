@@ -1,0 +1,60 @@
+"""Assemble a CausalLM from named checkpoint tensors: match names, check shapes, cast, place on device.
+
+The module tree is built abstractly (no memory), then filled one tensor at a time, each converted
+straight to its final dtype, so peak memory stays near one copy of the weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jserve.config import ModelConfig
+from jserve.errors import ModelLoadError
+from jserve.models import CausalLM
+
+
+def param_name(path) -> str:
+    """'layers.0.self_attn.q_proj.weight' for a state leaf path (the trailing `.value` attribute dropped)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", None))) for k in path if not isinstance(k, jax.tree_util.GetAttrKey))
+
+
+def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype=dtype)))
+
+
+def expected_params(state: nnx.State) -> dict[str, jax.ShapeDtypeStruct]:
+    return {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def assemble(
+    config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype, source: str, total: int | None = None
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params) for `config` from (name, array) pairs; names may carry the HF `model.` prefix."""
+    graphdef, abstract = abstract_model(config, dtype)
+    expected = expected_params(abstract)
+    loaded: dict[str, jax.Array] = {}
+    for name, array in tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False):
+        key = name.removeprefix("model.")
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding table is the head
+        if key.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config
+        if key not in expected:
+            raise ModelLoadError(f"{source}: unexpected tensor {name!r} for a {config.family} model")
+        want = expected[key]
+        if tuple(array.shape) != tuple(want.shape):
+            raise ModelLoadError(
+                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(want.shape)} from the config"
+            )
+        loaded[key] = jax.device_put(np.asarray(array, dtype=want.dtype))
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{source}: missing tensors {shown}")
+    params = jax.tree_util.tree_map_with_path(lambda path, _: loaded[param_name(path)], abstract)
+    return graphdef, params

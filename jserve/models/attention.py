@@ -1,0 +1,40 @@
+"""Self-attention with GQA/MQA over the paged KV cache: project, (q/k norm), rotate, write K/V, attend."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jserve.attention import AttentionMetadata, KVPages, paged_attention, write_kv
+from jserve.config import ModelConfig
+from jserve.models.linear import Linear
+from jserve.models.norm import RMSNorm
+from jserve.models.rotary import apply_rope
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype):
+        hidden, dim = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
+        self.sliding_window = config.sliding_windows[layer_idx]
+        self.q_proj = Linear(hidden, self.num_heads * dim, bias=config.qkv_bias, dtype=dtype)
+        self.k_proj = Linear(hidden, self.num_kv_heads * dim, bias=config.qkv_bias, dtype=dtype)
+        self.v_proj = Linear(hidden, self.num_kv_heads * dim, bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * dim, hidden, bias=config.o_bias, dtype=dtype)
+        # Qwen3 normalises each head's q and k before rotating them.
+        self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
+
+    def __call__(
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: KVPages, meta: AttentionMetadata
+    ) -> tuple[jax.Array, KVPages]:
+        tokens = x.shape[0]
+        q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        kv = write_kv(kv, k, v, meta.slot_mapping)
+        out = paged_attention(q, kv, meta, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv

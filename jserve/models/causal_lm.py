@@ -1,0 +1,43 @@
+"""The decoder-only causal LM shared by the Llama, Mistral and Qwen2/3 families.
+
+Parameter paths mirror Hugging Face names without the `model.` prefix (`layers.3.self_attn.q_proj.weight`),
+so checkpoints map onto the module tree by name alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jserve.attention import KVCache, ModelInput
+from jserve.config import ModelConfig
+from jserve.models.decoder import DecoderLayer
+from jserve.models.embedding import Embedding
+from jserve.models.linear import Linear
+from jserve.models.norm import RMSNorm
+from jserve.models.rotary import inverse_frequencies, rope_angles
+
+
+class CausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32):
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        # A Python list, unrolled at trace time: measured ~2x faster than lax.scan over stacked layers on CPU.
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        tied = config.tie_word_embeddings
+        self.lm_head = None if tied else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+
+    def __call__(self, batch: ModelInput, kv_cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Run the batch's tokens, write their K/V; returns float32 logits [L, vocab] at batch.logits_indices."""
+        meta = batch.attention
+        rope = rope_angles(meta.positions, inverse_frequencies(self.config))  # a trace-time constant
+        x = self.embed_tokens(batch.token_ids)
+        new_cache = []
+        for layer, kv in zip(self.layers, kv_cache):
+            x, kv = layer(x, rope, kv, meta)
+            new_cache.append(kv)
+        hidden = self.norm(x[batch.logits_indices])
+        logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return logits.astype(jnp.float32), tuple(new_cache)

@@ -1,0 +1,27 @@
+"""One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jserve.attention import AttentionMetadata, KVPages
+from jserve.config import ModelConfig
+from jserve.models.attention import Attention
+from jserve.models.mlp import MLP
+from jserve.models.norm import RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype):
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(config, layer_idx, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(config, dtype=dtype)
+
+    def __call__(
+        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: KVPages, meta: AttentionMetadata
+    ) -> tuple[jax.Array, KVPages]:
+        attn_out, kv = self.self_attn(self.input_layernorm(x), rope, kv, meta)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), kv

@@ -1,0 +1,52 @@
+"""Rotary position embedding (half-rotation layout), with `linear` and Llama 3.x `llama3` frequency scaling."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(config: ModelConfig) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, scaled as the config asks."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    if config.rope_scaling is not None:
+        inv_freq = _scale(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float32)
+    return inv_freq.astype(np.float32)
+
+
+def _scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
+    if scaling.rope_type == "linear":
+        return inv_freq / np.float32(scaling.factor)
+    # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(is_medium, blended, scaled).astype(np.float32)
+
+
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin), each [T, head_dim], for the tokens' positions; computed once per step, shared by all layers."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, head_dim] rotated by its token's angles."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
