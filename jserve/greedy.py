@@ -6,6 +6,8 @@ paged KV cache through the same metadata interface the engine uses.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,17 +35,22 @@ def prompt_logits(model: LoadedModel, prompt_ids: list[int]) -> np.ndarray:
 def greedy_generate(
     model: LoadedModel, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] | None = None
 ) -> list[int]:
-    """Up to max_new_tokens argmax tokens after the prompt, ending early at a stop id (included)."""
+    return list(iter_greedy(model, prompt_ids, max_new_tokens, stop_ids))
+
+
+def iter_greedy(
+    model: LoadedModel, prompt_ids: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] | None = None
+) -> Iterator[int]:
+    """Yields up to max_new_tokens argmax tokens after the prompt, ending early at a stop id (included)."""
     stop = set(model.config.eos_token_ids if stop_ids is None else stop_ids)
     n = len(prompt_ids)
     pages = np.arange(-(-(n + max_new_tokens) // PAGE_SIZE), dtype=np.int32)
     kv = allocate_kv_cache(model.config, len(pages), PAGE_SIZE, model.dtype)
     batch = single_sequence_input(np.asarray(prompt_ids), 0, pages, PAGE_SIZE, bucket(n))
-    output: list[int] = []
-    while True:
+    for step in range(max_new_tokens):
         logits, kv = forward_step(model.graphdef, model.params, kv, batch)
         token = int(jnp.argmax(logits[-1]))
-        output.append(token)
-        if token in stop or len(output) >= max_new_tokens:
-            return output
-        batch = single_sequence_input(np.array([token]), n + len(output) - 1, pages, PAGE_SIZE, 1)
+        yield token
+        if token in stop:
+            return
+        batch = single_sequence_input(np.array([token]), n + step, pages, PAGE_SIZE, 1)

@@ -128,7 +128,7 @@ def hf_name(gguf_name: str) -> str | None:
 
 def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (per head: interleaved pairs -> two halves)."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, path: Path) -> Iterator[tuple[str, np.ndarray]]:

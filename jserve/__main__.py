@@ -1,0 +1,5 @@
+import sys
+
+from jserve.cli import main
+
+sys.exit(main())

