@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.attention import allocate_kv_cache, single_sequence_input
+from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
 from jserve.loader import LoadedModel
 from jserve.models import forward_step
 
@@ -27,7 +27,7 @@ def prompt_logits(model: LoadedModel, prompt_ids: list[int]) -> np.ndarray:
     n = len(prompt_ids)
     pages = np.arange(-(-n // PAGE_SIZE), dtype=np.int32)
     kv = allocate_kv_cache(model.config, len(pages), PAGE_SIZE, model.dtype)
-    batch = single_sequence_input(np.asarray(prompt_ids), 0, pages, PAGE_SIZE, bucket(n), all_logits=True)
+    batch = build_model_input([SequenceChunk(np.asarray(prompt_ids), 0, pages)], PAGE_SIZE, bucket(n), 1, len(pages), True)
     logits, _ = forward_step(model.graphdef, model.params, kv, batch)
     return np.asarray(logits)
 
@@ -46,11 +46,11 @@ def iter_greedy(
     n = len(prompt_ids)
     pages = np.arange(-(-(n + max_new_tokens) // PAGE_SIZE), dtype=np.int32)
     kv = allocate_kv_cache(model.config, len(pages), PAGE_SIZE, model.dtype)
-    batch = single_sequence_input(np.asarray(prompt_ids), 0, pages, PAGE_SIZE, bucket(n))
+    batch = build_model_input([SequenceChunk(np.asarray(prompt_ids), 0, pages)], PAGE_SIZE, bucket(n), 1, len(pages))
     for step in range(max_new_tokens):
         logits, kv = forward_step(model.graphdef, model.params, kv, batch)
         token = int(jnp.argmax(logits[-1]))
         yield token
         if token in stop:
             return
-        batch = single_sequence_input(np.array([token]), n + step, pages, PAGE_SIZE, 1)
+        batch = build_model_input([SequenceChunk(np.array([token]), n + step, pages)], PAGE_SIZE, 1, 1, len(pages))

@@ -1,7 +1,7 @@
 """Paged attention: the batch metadata interface, the KV cache arrays and the plain-JAX reference."""
 
 from jserve.attention.kv_cache import KVCache, KVPages, allocate_kv_cache, kv_cache_bytes_per_token
-from jserve.attention.metadata import PAD_SLOT, AttentionMetadata, ModelInput, single_sequence_input
+from jserve.attention.metadata import PAD_SLOT, AttentionMetadata, ModelInput, SequenceChunk, build_model_input
 from jserve.attention.reference import paged_attention, write_kv
 
 __all__ = [
@@ -10,9 +10,10 @@ __all__ = [
     "KVCache",
     "KVPages",
     "ModelInput",
+    "SequenceChunk",
     "allocate_kv_cache",
+    "build_model_input",
     "kv_cache_bytes_per_token",
     "paged_attention",
-    "single_sequence_input",
     "write_kv",
 ]

@@ -33,25 +33,46 @@ class ModelInput:
     logits_indices: jax.Array  # [L] int32: the query tokens whose next-token logits the step returns
 
 
-def single_sequence_input(
-    token_ids: np.ndarray, start_pos: int, pages: np.ndarray, page_size: int, padded_len: int, all_logits: bool = False
+@dataclass(frozen=True)
+class SequenceChunk:
+    """Tokens of one sequence to run this step, continuing at start_pos, with the pages the sequence owns."""
+
+    token_ids: np.ndarray
+    start_pos: int
+    pages: np.ndarray
+
+
+def build_model_input(
+    chunks: list[SequenceChunk], page_size: int, num_tokens: int, num_seqs: int, max_pages: int, all_logits: bool = False
 ) -> ModelInput:
-    """A batch of one sequence whose tokens continue at `start_pos`, padded to `padded_len` query tokens."""
-    n = len(token_ids)
-    positions = np.zeros(padded_len, np.int32)
-    positions[:n] = np.arange(start_pos, start_pos + n)
-    slots = np.full(padded_len, PAD_SLOT, np.int32)
-    slots[:n] = pages[positions[:n] // page_size] * page_size + positions[:n] % page_size
-    ids = np.zeros(padded_len, np.int32)
-    ids[:n] = token_ids
+    """Pack chunks into one padded ragged batch of num_tokens query tokens and num_seqs sequence slots.
+
+    Logits come back for each chunk's last token (or every real token with all_logits); padding rows of
+    logits_indices point at token 0 and are to be ignored.
+    """
+    lens = np.array([len(c.token_ids) for c in chunks], np.int32)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    if starts[-1] > num_tokens or len(chunks) > num_seqs:
+        raise ValueError(f"{starts[-1]} tokens in {len(chunks)} sequences exceed the bucket ({num_tokens}, {num_seqs})")
+    ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, PAD_SLOT, np.int32)
+    page_tables = np.zeros((num_seqs, max_pages), np.int32)
+    context_lens = np.zeros(num_seqs, np.int32)
+    for i, chunk in enumerate(chunks):
+        span = slice(starts[i], starts[i + 1])
+        pos = np.arange(chunk.start_pos, chunk.start_pos + lens[i], dtype=np.int32)
+        ids[span], positions[span] = chunk.token_ids, pos
+        slots[span] = chunk.pages[pos // page_size] * page_size + pos % page_size
+        page_tables[i, : len(chunk.pages)] = chunk.pages
+        context_lens[i] = chunk.start_pos + lens[i]
+    query_start_loc = np.full(num_seqs + 1, starts[-1], np.int32)
+    query_start_loc[: len(starts)] = starts
+    logits_indices = np.arange(starts[-1], dtype=np.int32) if all_logits else np.zeros(num_seqs, np.int32)
+    if not all_logits:
+        logits_indices[: len(chunks)] = starts[1:] - 1
     return ModelInput(
         token_ids=ids,
-        attention=AttentionMetadata(
-            positions=positions,
-            slot_mapping=slots,
-            page_tables=np.asarray(pages, np.int32)[None, :],
-            context_lens=np.array([start_pos + n], np.int32),
-            query_start_loc=np.array([0, n], np.int32),
-        ),
-        logits_indices=np.arange(n, dtype=np.int32) if all_logits else np.array([n - 1], np.int32),
+        attention=AttentionMetadata(positions, slots, page_tables, context_lens, query_start_loc),
+        logits_indices=logits_indices,
     )
