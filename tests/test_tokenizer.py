@@ -394,23 +394,53 @@ def test_unsupported_gguf_tokenizer_model(sentencepiece_model: Path, tmp_path: P
         Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "odd.gguf"))
 
 
-def test_unknown_gguf_pre_tokenizer_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    writer = gguf.GGUFWriter(str(tmp_path / "bpe.gguf"), arch="gpt2")
+def write_byte_level_gguf(path: Path, pre: str, tokens: list[str], token_types: list[int], merges: list[str]) -> None:
+    writer = gguf.GGUFWriter(str(path), arch="gpt2")
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("made-up")
-    writer.add_token_list(["a", "b", "ab", "Ġ", "<eos>"])
-    writer.add_token_types([1, 1, 1, 1, 3])
-    writer.add_token_merges(["a b"])
-    writer.add_eos_token_id(4)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(tokens.index("<eos>"))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_unknown_gguf_pre_tokenizer_falls_back_with_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    write_byte_level_gguf(tmp_path / "bpe.gguf", "made-up", ["a", "b", "ab", "Ġ", "<eos>"], [1, 1, 1, 1, 3], ["a b"])
     with caplog.at_level(logging.WARNING):
         ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "bpe.gguf"))
     assert "made-up" in caplog.text
     assert ours.encode("ab ab<eos>") == [2, 3, 2, 4]
     assert ours.decode([2, 3, 2, 4]) == "ab ab"
+
+
+@pytest.mark.parametrize(
+    ("pre", "expected"),
+    [
+        ("gpt2", ["123456"]),  # GPT-2 keeps a run of digits together
+        ("llama-bpe", ["123", "456"]),  # Llama 3 cuts digits into groups of up to three
+        ("qwen2", ["1", "2", "3", "4", "5", "6"]),  # Qwen2 splits digits one by one
+        ("smollm", ["1", "2", "3", "4", "5", "6"]),
+    ],
+)
+def test_gguf_pre_tokenizer_splits_digits(tmp_path: Path, pre: str, expected: list[str]) -> None:
+    tokens = ["1", "2", "3", "4", "5", "6", "12", "123", "45", "456", "123456", "<eos>"]
+    merges = ["1 2", "12 3", "4 5", "45 6", "123 456"]
+    write_byte_level_gguf(tmp_path / "bpe.gguf", pre, tokens, [1] * 11 + [3], merges)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "bpe.gguf"))
+    assert ours.convert_ids_to_tokens(ours.encode("123456")) == expected
+
+
+def test_gguf_token_stored_as_plain_text_is_respelled(tmp_path: Path) -> None:
+    # "日" is bytes E6 97 A5, spelled "æĹ¥" in the byte alphabet; this file stores it as "日".
+    tokens = ["æ", "Ĺ", "¥", "æĹ", "日", "<eos>"]
+    write_byte_level_gguf(tmp_path / "bpe.gguf", "gpt2", tokens, [1, 1, 1, 1, 1, 3], ["æ Ĺ", "æĹ ¥"])
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "bpe.gguf"))
+    assert ours.encode("日日") == [4, 4]
+    assert ours.decode([4, 4]) == "日日"
 
 
 def test_folder_without_tokenizer(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ def read_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizer:
         raise ValueError(
             f"GGUF tokenizer model {model_name!r} is not supported; supported models: {', '.join(SUPPORTED_MODELS)}"
         )
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = _required_field(reader, "tokenizer.ggml.tokens")
     token_types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
     eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
@@ -69,13 +69,13 @@ def read_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizer:
         model = _byte_level_bpe(
             tokens,
             token_types,
-            _field(reader, "tokenizer.ggml.merges"),
+            _required_field(reader, "tokenizer.ggml.merges"),
             _field(reader, "tokenizer.ggml.pre", "default"),
         )
     else:
         model = _sentencepiece_proto(
             tokens,
-            _field(reader, "tokenizer.ggml.scores"),
+            _required_field(reader, "tokenizer.ggml.scores"),
             token_types,
             add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", True)),
             unk_id=unk_id,
@@ -98,15 +98,20 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _required_field(reader: gguf.GGUFReader, key: str) -> Any:
+    if key not in reader.fields:
+        raise ValueError(f"GGUF file has no {key}, so its tokenizer cannot be rebuilt")
+    return reader.fields[key].contents()
+
+
 def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str], pre: str) -> HFTokenizer:
-    alphabet = _byte_alphabet()
     # Control and user-defined tokens keep their raw text: they are matched
     # whole in the input (never built by merges) and decode to themselves.
     raw = {i for i, kind in enumerate(token_types) if kind in (_CONTROL, _USER_DEFINED)}
     vocab: dict[str, int] = {}
     for token_id, token in enumerate(tokens):
-        vocab.setdefault(token if token_id in raw else _respell(token, alphabet), token_id)
-    pairs = [tuple(_respell(part, alphabet) for part in merge.split(" ", 1)) for merge in merges]
+        vocab.setdefault(token if token_id in raw else _respell(token), token_id)
+    pairs = [tuple(_respell(part) for part in merge.split(" ", 1)) for merge in merges]
 
     # Llama 3 looks a whole word up in the vocabulary before merging, as llama.cpp does.
     model = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in ("llama-bpe", "llama3")))
@@ -131,11 +136,15 @@ def _byte_alphabet() -> dict[int, str]:
     return spelling
 
 
-def _respell(token: str, alphabet: dict[int, str]) -> str:
+_BYTE_SPELLING = _byte_alphabet()
+_BYTE_LETTERS = frozenset(_BYTE_SPELLING.values())
+
+
+def _respell(token: str) -> str:
     # Some converters store a token as plain text; BPE needs it in the byte alphabet.
-    if set(token) <= set(alphabet.values()):
+    if _BYTE_LETTERS.issuperset(token):
         return token
-    return "".join(alphabet[byte] for byte in token.encode("utf-8"))
+    return "".join(_BYTE_SPELLING[byte] for byte in token.encode("utf-8"))
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
