@@ -119,8 +119,8 @@ class _SentencePieceBackend:
     Text is cut at every control, unknown, user-defined or added token, and
     each piece in between is encoded on its own, so it gets SentencePiece's
     dummy-prefix space like llama.cpp gives it. Decoding mirrors that: every
-    run of ordinary pieces drops its leading dummy space (a skipped special
-    token does not end a run, so "a</s> b" decodes to "a b" as in transformers).
+    run of ordinary pieces drops its leading dummy space. A skipped special
+    token does not end a run: "▁a </s> ▁b" decodes to "a b", as in transformers.
     """
 
     def __init__(self, proto: sp_model.ModelProto, added_tokens: dict[int, AddedToken]) -> None:
