@@ -88,3 +88,88 @@ def reference_greedy(model: transformers.PreTrainedModel, ids: list[int], new_to
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
     return out[0, len(ids) :].tolist()
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order (what its converter writes for the llama architecture)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    name = hf_name.removeprefix("model.")
+    top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if name in top:
+        return top[name]
+    _, layer, rest = name.split(".", 2)
+    module, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{suffix}"
+
+
+def write_gguf(
+    model: transformers.PreTrainedModel, folder: Path, path: Path, arch: str = "llama", qtype=None, float_dtype=np.float32
+) -> None:
+    """Write `model` (saved with its tokenizer in `folder`) as a GGUF file the way llama.cpp lays it out.
+
+    2-D weights are stored as `qtype` (e.g. Q8_0) when given, everything else as `float_dtype`.
+    """
+    import gguf
+    from gguf.quants import quantize
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    vocab = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    model_json = __import__("json").loads(tokenizer.to_str())["model"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if token in ("<s>", "</s>") else 1 for token, _ in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]])
+    writer.add_bos_token_id(tokenizer.token_to_id("<s>"))
+    writer.add_eos_token_id(tokenizer.token_to_id("</s>"))
+    writer.add_add_bos_token(False)
+
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.float().numpy().astype(float_dtype)
+        if arch == "llama" and ".q_proj." in name:
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(gguf_tensor_name(name), quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_tensor_name(name), w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,183 @@
+"""Checkpoint sources agree with each other, and bad input fails with one clear error."""
+
+import json
+import shutil
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf.quants import dequantize, quantize
+
+from jserve.cli import main as cli_main
+from jserve.errors import ModelLoadError
+from jserve.greedy import prompt_logits
+from jserve.loader import load_model
+from tiny_models import save_tiny_checkpoint, write_gguf
+
+PROMPT = list(range(3, 40))
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama-hf")
+    return folder, save_tiny_checkpoint(folder, "llama")
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def flat_params(model):
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]}
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen3", {"head_dim": 32}), ("qwen2", {})])
+def test_gguf_and_safetensors_give_the_same_logits(tmp_path, family, overrides):
+    torch_model = save_tiny_checkpoint(tmp_path / "hf", family, **overrides)
+    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch=family)  # llama: Q/K rows permuted
+    from_hf, from_gguf = load_model(tmp_path / "hf", "float32"), load_model(tmp_path / "model.gguf", "float32")
+    assert from_gguf.config.qk_norm == from_hf.config.qk_norm
+    np.testing.assert_array_equal(prompt_logits(from_gguf, PROMPT), prompt_logits(from_hf, PROMPT))
+    assert from_gguf.tokenizer.encode("The quick brown fox") == from_hf.tokenizer.encode("The quick brown fox")
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0])
+def test_quantized_gguf_tensors_are_dequantized(tmp_path, llama_folder, qtype):
+    folder, torch_model = llama_folder
+    write_gguf(torch_model, folder, tmp_path / "q.gguf", qtype=qtype)
+    model = load_model(tmp_path / "q.gguf", "float32")
+    w = torch_model.state_dict()["model.layers.0.mlp.up_proj.weight"].numpy()
+    expected = dequantize(quantize(w, qtype), qtype)
+    np.testing.assert_array_equal(np.asarray(model.params["layers"][0]["mlp"]["up_proj"]["weight"][...]), expected)
+
+
+def test_bfloat16_loads_straight_to_bfloat16(llama_folder):
+    folder, _ = llama_folder
+    model = load_model(folder, "bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {np.dtype("bfloat16")}
+    assert np.isfinite(prompt_logits(model, PROMPT)).all()
+
+
+def test_orbax_round_trip_gives_identical_params(tmp_path, llama_folder):
+    folder, _ = llama_folder
+    original = load_model(folder, "float32")
+    assert cli_main(["convert", str(folder), str(tmp_path / "converted"), "--dtype", "float32"]) == 0
+    restored = load_model(tmp_path / "converted", "float32")
+    assert restored.source.kind == "orbax"
+    assert restored.config == original.config
+    a, b = flat_params(original), flat_params(restored)
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    text = "Paris is the capital of France."
+    assert restored.tokenizer.encode(text) == original.tokenizer.encode(text)
+
+
+def test_convert_refuses_to_overwrite(tmp_path, llama_folder):
+    folder, _ = llama_folder
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep.txt").write_text("mine")
+    assert cli_main(["convert", str(folder), str(tmp_path / "dst")]) == 1
+    assert [p.name for p in (tmp_path / "dst").iterdir()] == ["keep.txt"]
+
+
+def test_hub_id_resolves_from_local_hf_cache(tmp_path, llama_folder, monkeypatch):
+    folder, _ = llama_folder
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    copy_checkpoint(folder, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert load_model("acme/tiny-llama", "float32").config.family == "llama"
+    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache.*local path"):
+        load_model("acme/absent-model")
+
+
+# --- bad input: one clear error each, naming the file and what was expected -------------------------
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_folder_without_a_model(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_corrupt_config(tmp_path, llama_folder):
+    bad = copy_checkpoint(llama_folder[0], tmp_path / "m")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match=r"config\.json: not valid JSON"):
+        load_model(bad)
+
+
+def test_unknown_architecture(tmp_path, llama_folder):
+    bad = copy_checkpoint(llama_folder[0], tmp_path / "m")
+    config = json.loads((bad / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        load_model(bad)
+
+
+def test_unsupported_rope_type(tmp_path, llama_folder):
+    bad = copy_checkpoint(llama_folder[0], tmp_path / "m")
+    config = json.loads((bad / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'yarn'"):
+        load_model(bad)
+
+
+def test_truncated_safetensors(tmp_path, llama_folder):
+    bad = copy_checkpoint(llama_folder[0], tmp_path / "m")
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor .* runs past the end"):
+        load_model(bad)
+
+
+def test_shape_mismatch(tmp_path, llama_folder):
+    bad = copy_checkpoint(llama_folder[0], tmp_path / "m")
+    config = json.loads((bad / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"mlp\..*_proj\.weight' has shape .* expected"):
+        load_model(bad)
+
+
+def test_missing_tensor(tmp_path, llama_folder):
+    from safetensors.numpy import load_file, save_file
+
+    bad = copy_checkpoint(llama_folder[0], tmp_path / "m")
+    tensors = load_file(bad / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing tensors norm.weight"):
+        load_model(bad)
+
+
+def test_corrupt_gguf(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ModelLoadError, match="broken.gguf: not a readable GGUF"):
+        load_model(path)
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'; supported: llama"):
+        load_model(tmp_path / "gpt2.gguf")
+
+
+def test_unsupported_gguf_tensor_type(tmp_path, llama_folder):
+    folder, torch_model = llama_folder
+    write_gguf(torch_model, folder, tmp_path / "f64.gguf", float_dtype=np.float64)
+    with pytest.raises(ModelLoadError, match="f64.gguf: tensor 'token_embd.weight' has unsupported GGUF type F64"):
+        load_model(tmp_path / "f64.gguf")
