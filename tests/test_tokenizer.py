@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
+from jserve.errors import ModelLoadError
 from jserve.tokenizer import Tokenizer
 
 CHATML_TEMPLATE = (
@@ -390,7 +391,7 @@ def test_sentencepiece_gguf_save_round_trip(sentencepiece_model: Path, tmp_path:
 
 def test_unsupported_gguf_tokenizer_model(sentencepiece_model: Path, tmp_path: Path) -> None:
     write_sentencepiece_gguf(tmp_path / "odd.gguf", sentencepiece_model, model="rwkv")
-    with pytest.raises(ValueError, match=r"'rwkv'.*gpt2, llama"):
+    with pytest.raises(ModelLoadError, match=r"'rwkv'.*gpt2, llama"):
         Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "odd.gguf"))
 
 
@@ -444,25 +445,25 @@ def test_gguf_token_stored_as_plain_text_is_respelled(tmp_path: Path) -> None:
 
 
 def test_folder_without_tokenizer(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=rf"{tmp_path}.*tokenizer\.json.*tokenizer\.model"):
+    with pytest.raises(ModelLoadError, match=rf"{tmp_path}.*tokenizer\.json.*tokenizer\.model"):
         Tokenizer.from_folder(tmp_path)
 
 
 def test_corrupt_tokenizer_json(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": ', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json"):
         Tokenizer.from_folder(tmp_path)
 
 
 def test_corrupt_tokenizer_config(bpe_folder: Path) -> None:
     (bpe_folder / "tokenizer_config.json").write_text("{not json", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"tokenizer_config\.json"):
+    with pytest.raises(ModelLoadError, match=r"tokenizer_config\.json"):
         Tokenizer.from_folder(bpe_folder)
 
 
 def test_corrupt_sentencepiece_model(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.model").write_bytes(b"\xff\xfe not a protobuf")
-    with pytest.raises(ValueError, match=r"tokenizer\.model"):
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.model"):
         Tokenizer.from_folder(tmp_path)
 
 

@@ -14,6 +14,8 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from jserve.errors import ModelLoadError
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODELS = ("gpt2", "llama")
@@ -52,7 +54,7 @@ class GGUFTokenizer:
 def read_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizer:
     model_name = _field(reader, "tokenizer.ggml.model")
     if model_name not in SUPPORTED_MODELS:
-        raise ValueError(
+        raise ModelLoadError(
             f"GGUF tokenizer model {model_name!r} is not supported; supported models: {', '.join(SUPPORTED_MODELS)}"
         )
     tokens = _required_field(reader, "tokenizer.ggml.tokens")
@@ -100,7 +102,7 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 
 def _required_field(reader: gguf.GGUFReader, key: str) -> Any:
     if key not in reader.fields:
-        raise ValueError(f"GGUF file has no {key}, so its tokenizer cannot be rebuilt")
+        raise ModelLoadError(f"GGUF file has no {key}, so its tokenizer cannot be rebuilt")
     return reader.fields[key].contents()
 
 

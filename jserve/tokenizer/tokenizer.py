@@ -21,6 +21,7 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
+from jserve.errors import ModelLoadError
 from jserve.tokenizer.chat_template import render_chat_template
 from jserve.tokenizer.gguf_tokenizer import read_gguf_tokenizer
 
@@ -86,7 +87,7 @@ class _TokenizersBackend:
         try:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as error:
-            raise ValueError(f"Could not load tokenizer file {path}: {error}") from error
+            raise ModelLoadError(f"Could not load tokenizer file {path}: {error}") from error
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._model.encode(text, add_special_tokens=add_special_tokens).ids
@@ -150,7 +151,7 @@ class _SentencePieceBackend:
         try:
             proto.ParseFromString(path.read_bytes())
         except DecodeError as error:
-            raise ValueError(f"Could not load SentencePiece model {path}: {error}") from error
+            raise ModelLoadError(f"Could not load SentencePiece model {path}: {error}") from error
         return cls(proto, added_tokens)
 
     def trained_special_tokens(self) -> SpecialTokens:
@@ -265,7 +266,7 @@ class Tokenizer:
             add_bos = config.get("add_bos_token", True)
             add_eos = config.get("add_eos_token", False)
         else:
-            raise FileNotFoundError(
+            raise ModelLoadError(
                 f"No tokenizer in {folder}: expected {TOKENIZER_JSON} or {SENTENCEPIECE_MODEL} there"
             )
         return cls(backend, special_tokens, _chat_template(folder, config), add_bos, add_eos)
@@ -374,7 +375,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"Could not parse {path}: {error}") from error
+        raise ModelLoadError(f"Could not parse {path}: {error}") from error
 
 
 def _token_text(value: str | dict | None) -> str | None:
