@@ -1,0 +1,22 @@
+"""The README's main job, run as a user would: `jserve generate` on the default model."""
+
+import subprocess
+import sys
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "jserve", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_generate_answers_with_the_default_model(smollm2_gguf_path):
+    done = run_cli("generate", "What is the capital of France?", "--max-tokens", "16")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "The capital of France is Paris."
+    assert "generated in" in done.stderr  # the log line says what was done
+
+
+def test_bad_model_path_is_one_clear_error(tmp_path):
+    done = run_cli("generate", "hi", "--model", str(tmp_path / "missing"))
+    assert done.returncode == 1
+    assert "does not exist" in done.stderr
+    assert "Traceback" not in done.stderr
