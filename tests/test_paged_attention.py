@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_models import VOCAB_SIZE, save_tiny_checkpoint
 
 from jserve.attention import KVPages, SequenceChunk, allocate_kv_cache, build_model_input, paged_attention, write_kv
 from jserve.greedy import prompt_logits
 from jserve.loader import load_model
 from jserve.models import forward_step
-from tiny_models import VOCAB_SIZE, save_tiny_checkpoint
 
 
 def dense_attention(q, k, v, q_positions, scale, window, soft_cap):
@@ -65,7 +65,7 @@ def test_paged_attention_matches_dense(page_size, heads, kv_heads, window, soft_
     new_k = np.zeros((num_tokens, kv_heads, dim), np.float32)
     new_v = np.zeros_like(new_k)
     offset = 0
-    for (new, cached), (k_hist, v_hist) in zip(SEQUENCES, histories):
+    for (new, cached), (k_hist, v_hist) in zip(SEQUENCES, histories, strict=True):
         new_k[offset : offset + new], new_v[offset : offset + new] = k_hist[cached:], v_hist[cached:]
         offset += new
 
@@ -75,7 +75,7 @@ def test_paged_attention_matches_dense(page_size, heads, kv_heads, window, soft_
                                      soft_cap=soft_cap, pages_per_block=2))  # fmt: skip
 
     offset = 0
-    for (new, cached), (k_hist, v_hist), qs in zip(SEQUENCES, histories, queries):
+    for (new, cached), (k_hist, v_hist), qs in zip(SEQUENCES, histories, queries, strict=True):
         if new:
             expected = dense_attention(qs, k_hist, v_hist, np.arange(cached, cached + new), scale, window, soft_cap)
             np.testing.assert_allclose(out[offset : offset + new], expected, atol=1e-5, rtol=1e-5)

@@ -159,7 +159,19 @@ def test_smollm2_splits_digits_like_its_own_tokenizer(smollm2_tokenizer: Tokeniz
     # Its vocabulary has no multi-digit token, so every digit is one token either way:
     ids = smollm2_tokenizer.encode("In 2024 there were 365 days")
     assert smollm2_tokenizer.convert_ids_to_tokens(ids) == [
-        "In", "Ġ", "2", "0", "2", "4", "Ġthere", "Ġwere", "Ġ", "3", "6", "5", "Ġdays"
+        "In",
+        "Ġ",
+        "2",
+        "0",
+        "2",
+        "4",
+        "Ġthere",
+        "Ġwere",
+        "Ġ",
+        "3",
+        "6",
+        "5",
+        "Ġdays",
     ]
     # The split shows where whitespace runs into a digit: cut off from the digit, the
     # run stays whole ("ĠĠ"), while GPT-2's regex glues its last space to the digit.

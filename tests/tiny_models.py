@@ -28,8 +28,16 @@ VARIANTS = {
     "llama-tied-mqa": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
     "llama3-rope": (
         "llama",
-        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
     ),  # fmt: skip
     "llama-linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "mistral-sliding": ("mistral", {"sliding_window": 12}),
@@ -112,7 +120,11 @@ GGUF_LAYER_NAMES = {
 
 def gguf_tensor_name(hf_name: str) -> str:
     name = hf_name.removeprefix("model.")
-    top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    top = {
+        "embed_tokens.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if name in top:
         return top[name]
     _, layer, rest = name.split(".", 2)
@@ -121,7 +133,12 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def write_gguf(
-    model: transformers.PreTrainedModel, folder: Path, path: Path, arch: str = "llama", qtype=None, float_dtype=np.float32
+    model: transformers.PreTrainedModel,
+    folder: Path,
+    path: Path,
+    arch: str = "llama",
+    qtype=None,
+    float_dtype=np.float32,
 ) -> None:
     """Write `model` (saved with its tokenizer in `folder`) as a GGUF file the way llama.cpp lays it out.
 

@@ -43,7 +43,12 @@ class SequenceChunk:
 
 
 def build_model_input(
-    chunks: list[SequenceChunk], page_size: int, num_tokens: int, num_seqs: int, max_pages: int, all_logits: bool = False
+    chunks: list[SequenceChunk],
+    page_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    max_pages: int,
+    all_logits: bool = False,
 ) -> ModelInput:
     """Pack chunks into one padded ragged batch of num_tokens query tokens and num_seqs sequence slots.
 

@@ -54,7 +54,9 @@ def load_orbax(folder: Path, config: ModelConfig, dtype) -> tuple[nnx.GraphDef, 
         with ocp.StandardCheckpointer() as checkpointer:
             restored = checkpointer.restore(folder.absolute() / "params", target)
     except Exception as err:
-        raise ModelLoadError(f"{folder / 'params'}: cannot restore the Orbax checkpoint ({type(err).__name__}: {err})") from None
+        raise ModelLoadError(
+            f"{folder / 'params'}: cannot restore the Orbax checkpoint ({type(err).__name__}: {err})"
+        ) from None
     restored = jax.tree.map(lambda x, want: x.astype(want.dtype), restored, target)
     nnx.replace_by_pure_dict(abstract, restored)
     return graphdef, abstract

@@ -10,7 +10,9 @@ from jserve.errors import ModelLoadError
 from jserve.loader.default_model import default_model_path
 
 ORBAX_MARKER = "jserve_config.json"
-LOCAL_FORMS = "a Hugging Face folder (config.json + *.safetensors), a .gguf file, or a folder written by `jserve convert`"
+LOCAL_FORMS = (
+    "a Hugging Face folder (config.json + *.safetensors), a .gguf file, or a folder written by `jserve convert`"
+)
 
 
 @dataclass(frozen=True)

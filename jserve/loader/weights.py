@@ -20,7 +20,9 @@ from jserve.models import CausalLM
 
 def param_name(path) -> str:
     """'layers.0.self_attn.q_proj.weight' for a state leaf path (the trailing `.value` attribute dropped)."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", None))) for k in path if not isinstance(k, jax.tree_util.GetAttrKey))
+    return ".".join(
+        str(getattr(k, "key", getattr(k, "idx", None))) for k in path if not isinstance(k, jax.tree_util.GetAttrKey)
+    )
 
 
 def abstract_model(config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -49,7 +51,8 @@ def assemble(
         want = expected[key]
         if tuple(array.shape) != tuple(want.shape):
             raise ModelLoadError(
-                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, expected {tuple(want.shape)} from the config"
+                f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
+                f"expected {tuple(want.shape)} from the config"
             )
         loaded[key] = jax.device_put(np.asarray(array, dtype=want.dtype))
     missing = sorted(set(expected) - set(loaded))

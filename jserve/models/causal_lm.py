@@ -35,7 +35,7 @@ class CausalLM(nnx.Module):
         rope = rope_angles(meta.positions, inverse_frequencies(self.config))  # a trace-time constant
         x = self.embed_tokens(batch.token_ids)
         new_cache = []
-        for layer, kv in zip(self.layers, kv_cache):
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
             x, kv = layer(x, rope, kv, meta)
             new_cache.append(kv)
         hidden = self.norm(x[batch.logits_indices])
