@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
-from tiny_models import save_tiny_checkpoint, write_gguf
+from tiny_models import VARIANTS, save_tiny_checkpoint, write_gguf
 
 from jserve.cli import main as cli_main
 from jserve.errors import ModelLoadError
@@ -36,13 +36,16 @@ def flat_params(model):
     }
 
 
-@pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen3", {"head_dim": 32}), ("qwen2", {})])
-def test_gguf_and_safetensors_give_the_same_logits(tmp_path, family, overrides):
+@pytest.mark.parametrize("variant", ["llama", "llama3-rope", "qwen2", "qwen3"])
+def test_gguf_and_safetensors_give_the_same_logits(tmp_path, variant):
+    family, overrides = VARIANTS[variant]
     torch_model = save_tiny_checkpoint(tmp_path / "hf", family, **overrides)
     write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch=family)  # llama: Q/K rows permuted
     from_hf, from_gguf = load_model(tmp_path / "hf", "float32"), load_model(tmp_path / "model.gguf", "float32")
     assert from_gguf.config.qk_norm == from_hf.config.qk_norm
-    np.testing.assert_array_equal(prompt_logits(from_gguf, PROMPT), prompt_logits(from_hf, PROMPT))
+    # llama3 rope arrives as scaling metadata from config.json but as rope_freqs divisors from GGUF.
+    assert (from_gguf.config.rope_freq_factors is not None) == (variant == "llama3-rope")
+    np.testing.assert_allclose(prompt_logits(from_gguf, PROMPT), prompt_logits(from_hf, PROMPT), atol=1e-5, rtol=0)
     assert from_gguf.tokenizer.encode("The quick brown fox") == from_hf.tokenizer.encode("The quick brown fox")
 
 
@@ -54,6 +57,26 @@ def test_quantized_gguf_tensors_are_dequantized(tmp_path, llama_folder, qtype):
     w = torch_model.state_dict()["model.layers.0.mlp.up_proj.weight"].numpy()
     expected = dequantize(quantize(w, qtype), qtype)
     np.testing.assert_array_equal(np.asarray(model.params["layers"][0]["mlp"]["up_proj"]["weight"][...]), expected)
+
+
+def test_sharded_checkpoint_with_index(tmp_path, llama_folder):
+    folder, torch_model = llama_folder
+    sharded = tmp_path / "sharded"
+    torch_model.save_pretrained(sharded, max_shard_size="40KB")
+    shutil.copy(folder / "tokenizer.json", sharded)
+    assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    original, reloaded = load_model(folder, "float32"), load_model(sharded, "float32")
+    np.testing.assert_array_equal(prompt_logits(reloaded, PROMPT), prompt_logits(original, PROMPT))
+
+    next(sharded.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(ModelLoadError, match=r"index\.json lists shard files that are missing: model-00002-"):
+        load_model(sharded)
+
+
+def test_generation_config_eos_ids_are_stop_ids(tmp_path, llama_folder):
+    folder = copy_checkpoint(llama_folder[0], tmp_path / "m")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert load_model(folder, "float32").config.eos_token_ids == (7, 9)
 
 
 def test_bfloat16_loads_straight_to_bfloat16(llama_folder):

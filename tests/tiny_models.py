@@ -174,6 +174,15 @@ def write_gguf(
     writer.add_eos_token_id(tokenizer.token_to_id("</s>"))
     writer.add_add_bos_token(False)
 
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        # llama.cpp carries Llama 3.x rope scaling as per-frequency divisors, not as metadata.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg)
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        default = 1.0 / (cfg.rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+        writer.add_tensor("rope_freqs.weight", (default / scaled.numpy()).astype(np.float32))
+
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
