@@ -1,0 +1,145 @@
+"""How one request wants its tokens chosen: SamplingParams, validated and normalised on construction.
+
+Field names and meanings follow vLLM's SamplingParams (and so the OpenAI API). Every bad value raises
+ValueError naming the field and the allowed range, so the server can hand the message to the client.
+Checks that need the model's vocabulary are left to `validate_token_ids`, which the engine calls.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MAX_LOGPROBS = 20  # most top alternatives a request may ask for per token (OpenAI's limit)
+MAX_LOGIT_BIAS = 300  # most logit_bias entries a request may carry (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling options of one request.
+
+    After construction the numbers are plain int/float, `top_k` -1 reads as 0, `stop` and `stop_token_ids`
+    are tuples and `logit_bias` a dict with int keys (each empty when not given).
+    """
+
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    max_tokens: int | None = 16  # None = up to the model's context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives to return per token; None = no logprobs
+    logit_bias: Mapping[int | str, float] | None = None  # token id -> bias added to its logit
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        max_tokens = None if self.max_tokens is None else _integer("max_tokens", self.max_tokens, low=1)
+        logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        min_tokens = _integer("min_tokens", self.min_tokens, low=0)
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
+        values = {
+            "n": _integer("n", self.n, low=1),
+            "temperature": _real("temperature", self.temperature, low=0),
+            "top_p": _real("top_p", self.top_p, low=0, high=1, low_open=True),
+            "top_k": max(_integer("top_k", self.top_k, low=-1), 0),
+            "min_p": _real("min_p", self.min_p, low=0, high=1),
+            "repetition_penalty": _real("repetition_penalty", self.repetition_penalty, low=0, low_open=True),
+            "presence_penalty": _real("presence_penalty", self.presence_penalty, low=-2, high=2),
+            "frequency_penalty": _real("frequency_penalty", self.frequency_penalty, low=-2, high=2),
+            "seed": None if self.seed is None else _integer("seed", self.seed),
+            "stop": _stop_strings(self.stop),
+            "stop_token_ids": _stop_token_ids(self.stop_token_ids),
+            "max_tokens": max_tokens,
+            "min_tokens": min_tokens,
+            "ignore_eos": _boolean("ignore_eos", self.ignore_eos),
+            "logprobs": logprobs,
+            "logit_bias": _logit_bias(self.logit_bias),
+            "skip_special_tokens": _boolean("skip_special_tokens", self.skip_special_tokens),
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)  # the dataclass is frozen; normalised values land once, here
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """Raises ValueError if a stop_token_ids or logit_bias id is outside the model's vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            bad = [i for i in ids if i >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be < vocab_size ({vocab_size}), got {bad[0]}")
+
+
+def _range(low: float | None, high: float | None, low_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"in {'(' if low_open else '['}{low}, {high}]"
+
+
+def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    # bool is an int subclass, but n=True is a caller's mistake, not a number
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {_range(low, high, False)}, got {value}")
+    return int(value)
+
+
+def _real(name: str, value: object, low: float, high: float | None = None, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {_range(low, high, low_open)}, got {value}")
+    return float(value)
+
+
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    strings = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if not all(strings):
+        raise ValueError("stop strings must be non-empty, got ''")
+    return tuple(strings)
+
+
+def _stop_token_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+    return tuple(_integer("stop_token_ids", i, low=0) for i in ids)
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    if bias is None:
+        return {}
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        # JSON object keys are strings: {"50256": -100} biases token 50256
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        out[int(token)] = _real(f"logit_bias[{token}]", value, low=-100, high=100)
+    return out
