@@ -1,0 +1,230 @@
+"""Per-sequence sampling on device, inside the engine's jitted step.
+
+For a padded batch of S sequences the sampler applies, row by row with each row's own options:
+logit_bias → repetition penalty → presence/frequency penalties, then either argmax (temperature 0) or
+temperature → top-k → top-p → min-p → a seeded Gumbel-max draw. Rows never read one another, so a
+request's tokens do not depend on its row or its neighbours; the only batch-wide decisions are whether
+to run the penalty gather, the sort and the random draw at all (`lax.cond`: skipped when no row needs
+them, which on CPU saves most of the cost for plain greedy or plain temperature batches).
+
+Ties: top-k and top-p become a threshold logit, and every token equal to the threshold is kept, so a
+tie at the boundary can keep more than k tokens; min-p keeps tokens with exactly min_p * max_prob.
+
+The penalties and the PenaltyState they read live in penalties.py; this module re-exports them, so the
+engine's step needs only `jserve.engine.sampler`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.engine.penalties import PenaltyState, apply_penalties, init_penalty_state, update_penalty_state
+from jserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+
+__all__ = [
+    "BIAS_WIDTH",
+    "MIN_TEMPERATURE",
+    "TOP_HEAD",
+    "PenaltyState",
+    "SamplerOutput",
+    "SamplingBatch",
+    "SamplingRow",
+    "bias_entries",
+    "build_sampling_batch",
+    "init_penalty_state",
+    "process_logits",
+    "sample",
+    "update_penalty_state",
+]
+
+# Bias entries per row: a request's logit_bias plus room for the ids suppressed while min_tokens is unmet.
+BIAS_WIDTH = MAX_LOGIT_BIAS + 20
+# top-k/top-p first look at this many best tokens of each row, and sort whole rows only if that is too few.
+TOP_HEAD = 1024
+# Positive temperatures below this act as it: logits / 1e-40 would overflow to inf and softmax to NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Each row's sampling options, leading dim S (numpy on the host, jax arrays in the step)."""
+
+    temperature: jax.Array  # [S] f32, 0 = greedy
+    top_k: jax.Array  # [S] i32, 0 (or >= vocab) = off
+    top_p: jax.Array  # [S] f32, 1 = off
+    min_p: jax.Array  # [S] f32, 0 = off
+    repetition_penalty: jax.Array  # [S] f32, 1 = off
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    seeds: jax.Array  # [S] u32
+    steps: jax.Array  # [S] i32: tokens generated so far; the row's key is fold_in(key(seed), step)
+    slots: jax.Array  # [S] i32: the PenaltyState row of the sequence
+    bias_ids: jax.Array  # [S, BIAS_WIDTH] i32, -1 = unused entry
+    bias_values: jax.Array  # [S, BIAS_WIDTH] f32, added to the logit; -inf forbids the token
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # [S] i32
+    logprobs: jax.Array  # [S] f32: the chosen token's log-prob under the raw model distribution
+    top_ids: jax.Array  # [S, MAX_LOGPROBS] i32: most likely tokens, descending; -1 past the vocabulary
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32: their raw log-probs; -inf past the vocabulary
+
+
+@dataclass
+class SamplingRow:
+    """What the engine knows about one scheduled sequence this step."""
+
+    params: SamplingParams
+    seed: int  # the engine derives one when params.seed is None; taken modulo 2**32
+    step: int  # tokens generated so far
+    slot: int
+    suppressed_ids: tuple[int, ...] = ()  # ids forbidden this step (EOS/stop ids while min_tokens is unmet)
+
+
+def process_logits(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
+    """[S, V] logits as the draw sees them: biased and penalised; then for sampling rows also divided by
+    the temperature and filtered by top-k, top-p and min-p (filtered-out tokens -inf)."""
+    logits = _apply_bias(logits.astype(jnp.float32), batch)
+    logits = apply_penalties(
+        logits, state, batch.slots, batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
+    )
+    greedy = batch.temperature == 0
+    temperature = jnp.where(greedy, 1.0, jnp.maximum(batch.temperature, MIN_TEMPERATURE))
+    scaled = logits / temperature[:, None]
+    return jnp.where(greedy[:, None], logits, _filter(scaled, batch, greedy))
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> SamplerOutput:
+    """One token per row: argmax of the processed logits for greedy rows, a seeded draw for the rest."""
+    processed = process_logits(logits, batch, state)
+    greedy = batch.temperature == 0
+
+    def add_gumbel(x: jax.Array) -> jax.Array:
+        # argmax(logits + Gumbel noise) is a draw from softmax(logits); -inf entries stay -inf.
+        keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(batch.seeds, batch.steps)
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, x.shape[-1:]))(keys)
+        return x + jnp.where(greedy[:, None], 0.0, noise)
+
+    perturbed = jax.lax.cond(jnp.all(greedy), lambda x: x, add_gumbel, processed)
+    token_ids = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
+    missing = MAX_LOGPROBS - top_ids.shape[-1]  # a vocabulary smaller than MAX_LOGPROBS (tiny test models)
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0],
+        top_ids=jnp.pad(top_ids.astype(jnp.int32), ((0, 0), (0, missing)), constant_values=-1),
+        top_logprobs=jnp.pad(top_logprobs, ((0, 0), (0, missing)), constant_values=-jnp.inf),
+    )
+
+
+def _apply_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    rows = jnp.arange(logits.shape[0])[:, None]
+    # Unused (-1) entries point one past the vocabulary, where the scatter drops them; repeated ids add up.
+    ids = jnp.where(batch.bias_ids >= 0, batch.bias_ids, logits.shape[-1])
+    return logits.at[rows, ids].add(batch.bias_values, mode="drop")
+
+
+def _filter(scaled: jax.Array, batch: SamplingBatch, greedy: jax.Array) -> jax.Array:
+    """Keeps the tokens that pass top-k, top-p and min-p (as thresholds on the scaled logits)."""
+    vocab = scaled.shape[-1]
+    top_k_on = (batch.top_k > 0) & (batch.top_k < vocab)
+    needed = ~greedy & (top_k_on | (batch.top_p < 1))
+
+    def top_k_top_p() -> jax.Array:
+        # The best TOP_HEAD tokens usually decide both; whole rows are sorted only when they do not.
+        # (The barrier stops XLA's CPU compiler from rewriting this TopK, once sliced, into a full sort.)
+        head = jax.lax.optimization_barrier(jax.lax.top_k(scaled, min(TOP_HEAD, vocab))[0])
+        threshold, decided = _top_k_top_p_threshold(head, scaled, batch, top_k_on)
+
+        def from_whole_rows() -> jax.Array:
+            return _top_k_top_p_threshold(_sort_descending(scaled), scaled, batch, top_k_on)[0]
+
+        return jax.lax.cond(jnp.all(decided | ~needed), lambda: threshold, from_whole_rows)
+
+    threshold = jax.lax.cond(jnp.any(needed), top_k_top_p, lambda: jnp.full(scaled.shape[:1], -jnp.inf))
+    # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); log(0) = -inf keeps everything
+    threshold = jnp.maximum(threshold, scaled.max(axis=-1) + jnp.log(batch.min_p))
+    return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+
+
+def _top_k_top_p_threshold(
+    descending: jax.Array, scaled: jax.Array, batch: SamplingBatch, top_k_on: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """From the best tokens of each row, descending [S, W <= V]: the lowest logit that top-k and then top-p
+    keep (-inf where both are off), and whether those W tokens were enough to tell."""
+    width = descending.shape[-1]
+    kth = jnp.take_along_axis(descending, (jnp.clip(batch.top_k, 1, width) - 1)[:, None], axis=-1)[:, 0]
+    kth = jnp.where(top_k_on, kth, -jnp.inf)
+    # top-p renormalises over the tokens top-k keeps, whose total mass the whole row gives
+    peak = descending[:, :1]
+    total = jnp.sum(jnp.where(scaled >= kth[:, None], jnp.exp(scaled - peak), 0.0), axis=-1, keepdims=True)
+    probs = jnp.where(descending >= kth[:, None], jnp.exp(descending - peak), 0.0) / total
+    cumulative = jnp.cumsum(probs, axis=-1)
+    # keep each token whose better-ranked tokens hold less than top_p: the smallest prefix reaching
+    # top_p, and always the top token
+    kept = jnp.where(cumulative - probs < batch.top_p[:, None], descending, jnp.inf)
+    top_p_on = batch.top_p < 1
+    threshold = jnp.maximum(kth, jnp.where(top_p_on, kept.min(axis=-1), -jnp.inf))
+    decided = (~top_k_on | (batch.top_k <= width)) & (~top_p_on | (cumulative[:, -1] >= batch.top_p))
+    return threshold, decided
+
+
+def _sort_descending(x: jax.Array) -> jax.Array:
+    # XLA's CPU sort compares floats in a NaN-aware total order, about 4x slower than sorting their bit
+    # patterns as ints; flipping the magnitude bits of negative floats makes the int order the float order.
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    keys = jnp.sort(bits ^ ((bits >> 31) & 0x7FFFFFFF), axis=-1)[:, ::-1]
+    return jax.lax.bitcast_convert_type(keys ^ ((keys >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def bias_entries(params: SamplingParams, suppressed_ids: Sequence[int] = ()) -> dict[int, float]:
+    """The row's logit bias: the request's, with suppressed ids set to -inf; at most BIAS_WIDTH entries.
+
+    The engine can call it on admission with every id it may suppress, to reject a request that won't fit.
+    """
+    entries = {**params.logit_bias, **dict.fromkeys(suppressed_ids, -np.inf)}
+    if len(entries) > BIAS_WIDTH:
+        raise ValueError(
+            f"logit_bias and stop_token_ids together may name at most {BIAS_WIDTH} tokens, got {len(entries)}"
+        )
+    return entries
+
+
+def build_sampling_batch(rows: list[SamplingRow], num_seqs: int) -> SamplingBatch:
+    """Packs rows into a SamplingBatch of num_seqs rows (numpy). Padding rows are greedy with every
+    option off, so they cost nothing and stay finite; their tokens are to be ignored."""
+    if len(rows) > num_seqs:
+        raise ValueError(f"{len(rows)} sequences exceed the batch of {num_seqs}")
+
+    def column(get, pad, dtype) -> np.ndarray:
+        return np.array([get(r) for r in rows] + [pad] * (num_seqs - len(rows)), dtype)
+
+    bias_ids = np.full((num_seqs, BIAS_WIDTH), -1, np.int32)
+    bias_values = np.zeros((num_seqs, BIAS_WIDTH), np.float32)
+    for i, row in enumerate(rows):
+        entries = bias_entries(row.params, row.suppressed_ids)
+        bias_ids[i, : len(entries)] = list(entries)
+        bias_values[i, : len(entries)] = list(entries.values())
+    return SamplingBatch(
+        temperature=column(lambda r: r.params.temperature, 0.0, np.float32),
+        top_k=column(lambda r: r.params.top_k, 0, np.int32),
+        top_p=column(lambda r: r.params.top_p, 1.0, np.float32),
+        min_p=column(lambda r: r.params.min_p, 0.0, np.float32),
+        repetition_penalty=column(lambda r: r.params.repetition_penalty, 1.0, np.float32),
+        presence_penalty=column(lambda r: r.params.presence_penalty, 0.0, np.float32),
+        frequency_penalty=column(lambda r: r.params.frequency_penalty, 0.0, np.float32),
+        seeds=column(lambda r: r.seed % 2**32, 0, np.uint32),
+        steps=column(lambda r: r.step, 0, np.int32),
+        slots=column(lambda r: r.slot, 0, np.int32),
+        bias_ids=bias_ids,
+        bias_values=bias_values,
+    )
