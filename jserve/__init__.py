@@ -1,3 +1,8 @@
 """jserve: an LLM inference engine on JAX."""
 
+from jserve.llm import LLM, generate
+from jserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jserve.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "generate"]

@@ -19,3 +19,29 @@ def smollm2(smollm2_gguf_path):
     from jserve.loader import load_model
 
     return load_model(smollm2_gguf_path, dtype="float32")
+
+
+# Any XLA compilation during an engine step after warm-up is a bug: make it an error in every test.
+os.environ["JSERVE_FORBID_RECOMPILE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_checkpoint(tmp_path_factory):
+    """(folder, transformers model) of a tiny random Llama."""
+    from tiny_models import save_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return folder, save_tiny_checkpoint(folder, "llama")
+
+
+def tiny_kv_bytes(pages: int, page_size: int = 16) -> int:
+    """kv_cache_memory for `pages` pages of the tiny models (2 layers, 2 KV heads of 16 dims, float32)."""
+    return pages * page_size * 2 * 2 * 2 * 16 * 4
+
+
+def assert_engine_idle(llm) -> None:
+    """Nothing queued or running, and every KV page back in the pool."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.pool.num_free == engine.config.num_pages
+    assert not engine.scheduler.running

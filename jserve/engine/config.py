@@ -1,0 +1,86 @@
+"""Engine settings, resolved once from the user's arguments, the model and the device."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import jax
+
+from jserve.attention import kv_cache_bytes_per_token
+from jserve.config import ModelConfig
+
+log = logging.getLogger("jserve")
+
+GiB = 1 << 30
+MIN_TOKEN_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int
+    num_pages: int
+    seed: int = 0
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Padded step sizes: powers of two from 16 up to the token budget (which is always one)."""
+        buckets, size = [], min(MIN_TOKEN_BUCKET, self.max_num_batched_tokens)
+        while size < self.max_num_batched_tokens:
+            buckets.append(size)
+            size *= 2
+        return (*buckets, self.max_num_batched_tokens)
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        """Sequence slots of a step with `token_bucket` tokens: every token could be its own sequence."""
+        return min(token_bucket, self.max_num_seqs)
+
+
+def default_kv_cache_memory() -> int:
+    """Bytes for the KV pool: on CPU a quarter of RAM up to 4 GiB; on accelerators 85% of what is free."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(4 * GiB, total // 4)
+    stats = device.memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return int(0.85 * free)
+
+
+def resolve_engine_config(
+    model: ModelConfig,
+    dtype,
+    *,
+    max_model_len: int | None,
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    page_size: int,
+    kv_cache_memory: int | None,
+    seed: int,
+) -> EngineConfig:
+    on_cpu = jax.default_backend() == "cpu"
+    max_model_len = max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model.max_position_embeddings} positions")
+    max_num_seqs = max_num_seqs or (64 if on_cpu else 256)
+    max_num_batched_tokens = max_num_batched_tokens or (512 if on_cpu else 2048)
+    for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory()
+    num_pages = memory // (page_size * kv_cache_bytes_per_token(model, dtype))
+    if num_pages * page_size < max_model_len:
+        raise ValueError(
+            f"KV cache of {memory / GiB:.2f} GiB holds {num_pages * page_size} tokens, fewer than max_model_len "
+            f"{max_model_len}; raise kv_cache_memory or lower max_model_len"
+        )
+    return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, int(num_pages), seed)

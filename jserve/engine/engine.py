@@ -1,0 +1,207 @@
+"""LLMEngine: requests in, one scheduled + executed + processed step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from jserve.engine.compile_guard import compile_count
+from jserve.engine.config import EngineConfig
+from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.request import Request
+from jserve.engine.runner import ModelRunner
+from jserve.engine.scheduler import Scheduler
+from jserve.loader import LoadedModel
+from jserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jserve.sampling_params import SamplingParams
+
+log = logging.getLogger("jserve")
+
+# Tests set this so any compilation after warm-up fails loudly instead of silently costing seconds.
+FORBID_RECOMPILE_ENV = "JSERVE_FORBID_RECOMPILE"
+
+
+@dataclass
+class ParentRequest:
+    """What the user asked for: n completions of one prompt, each a Request of its own."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(child.is_finished for child in self.children)
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel, config: EngineConfig):
+        self.model, self.config = model, config
+        self.tokenizer = model.tokenizer
+        eos = set(model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.scheduler = Scheduler(config)
+        self.runner = ModelRunner(model, config, self.scheduler.page_table, self.eos_ids)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
+        self.parents: dict[str, ParentRequest] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self.forbid_recompile = os.environ.get(FORBID_RECOMPILE_ENV) == "1"
+        log.info(
+            "KV cache: %d pages = %d tokens; max concurrency at max_model_len %d: %.1f",
+            config.num_pages, config.num_pages * config.page_size, config.max_model_len,
+            config.num_pages * config.page_size / config.max_model_len,
+        )  # fmt: skip
+        self.runner.warm_up()
+
+    # --- requests in -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        prompt_text: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError (naming the field) before anything is queued.
+
+        `prompt_text` names the text of a token-id prompt (e.g. a rendered chat template) for the output."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        text = text if text is not None else prompt_text
+        params.validate_token_ids(self.model.config.vocab_size)
+        seeds = [
+            params.seed + i if params.seed is not None else int(self._rng.integers(2**31)) for i in range(params.n)
+        ]
+        arrival = next(self._arrivals)
+        children = [
+            Request(
+                request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                prompt_token_ids=ids,
+                params=params,
+                seed=seed,
+                arrival_index=arrival,
+                max_model_len=self.config.max_model_len,
+                prompt=text,
+                priority=priority,
+                index=i,
+                parent_id=request_id,
+            )
+            for i, seed in enumerate(seeds)
+        ]
+        self.parents[request_id] = ParentRequest(request_id, text, ids, children)
+        for child in children:
+            self.outputs.register(child)
+            self.scheduler.add(child)
+        return request_id
+
+    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but max_model_len is {self.config.max_model_len} "
+                "(the prompt plus at least one generated token must fit)"
+            )
+        return text, ids
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return
+        for child in parent.children:
+            self.scheduler.finish(child, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    # --- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and process one step; returns the outputs of every request that changed."""
+        changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
+        scheduled = self.scheduler.schedule()
+        if scheduled.sequences:
+            before = compile_count()
+            samples = self.runner.run(scheduled.sequences)
+            if compile_count() != before:
+                message = f"the step compiled {compile_count() - before} time(s) after warm-up"
+                if self.forbid_recompile:
+                    raise RuntimeError(message)
+                log.warning(message)
+            now = time.monotonic()
+            for row, seq in enumerate(scheduled.sequences):
+                request = seq.request
+                request.num_computed_tokens += seq.num_tokens
+                if not seq.samples:
+                    continue
+                changed.add(request.parent_id)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                try:
+                    finish = self.outputs.append(request, samples, row)
+                except Exception:  # one request's failure must not take down the others
+                    log.exception("request %s failed while processing its output; aborting it", request.request_id)
+                    finish = ("abort", None)
+                if finish is not None:
+                    self.scheduler.finish(request, *finish)
+                    request.finish_time = now
+        results = [self._output(self.parents[pid]) for pid in changed]
+        for out in results:
+            if out.finished:
+                for child in self.parents.pop(out.request_id).children:
+                    self.outputs.forget(child)
+        return results
+
+    def _output(self, parent: ParentRequest) -> RequestOutput:
+        completions = []
+        for child in parent.children:
+            state = self.outputs.texts[child.request_id]
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=state.visible_text(child.is_finished),
+                    token_ids=child.output_token_ids,
+                    cumulative_logprob=child.cumulative_logprob if child.params.logprobs is not None else None,
+                    logprobs=list(child.logprobs) if child.params.logprobs is not None else None,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+        first_tokens = [c.first_token_time for c in parent.children if c.first_token_time is not None]
+        finishes = [c.finish_time for c in parent.children if c.finish_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=min(c.arrival_time for c in parent.children),
+            first_token_time=min(first_tokens, default=None),
+            finish_time=max(finishes, default=None) if parent.finished else None,
+            num_preemptions=sum(c.num_preemptions for c in parent.children),
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=parent.finished,
+            metrics=metrics,
+        )

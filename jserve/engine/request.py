@@ -1,0 +1,75 @@
+"""A request's state as it moves WAITING -> RUNNING -> FINISHED (and PREEMPTED back to waiting)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its KV freed; it recomputes prompt + output so far
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed: params.seed, or one the engine drew
+    arrival_index: int  # FCFS order among equal priorities
+    max_model_len: int
+    prompt: str | None = None
+    priority: int = 0  # lower runs first, as in vLLM
+    index: int = 0  # which of the parent's n completions this is
+    parent_id: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    # All tokens (prompt then output) in a buffer sized for the longest sequence, so slicing is cheap.
+    token_buffer: np.ndarray = field(init=False, repr=False)
+    num_tokens: int = field(init=False)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+    slot: int = -1  # the engine row (page table, penalty state) while running
+    admit_index: int = -1  # order of admission to RUNNING; the latest admitted is preempted first
+    num_preemptions: int = 0
+
+    cumulative_logprob: float = 0.0
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        self.token_buffer = np.zeros(self.max_model_len, np.int32)
+        self.token_buffer[: len(self.prompt_token_ids)] = self.prompt_token_ids
+        self.num_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_buffer[self.num_prompt_tokens : self.num_tokens].tolist()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_buffer[self.num_tokens] = token_id
+        self.num_tokens += 1

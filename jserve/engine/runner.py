@@ -1,0 +1,122 @@
+"""Turn a scheduled batch into padded device arrays, run the compiled step for its bucket, fetch the samples.
+
+Buckets: a step's tokens are padded to the next token bucket (powers of two up to the token budget) and
+its sequences to that bucket's sequence count, so every step reuses one of a few executables, all
+compiled at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jserve.attention import PAD_SLOT, AttentionMetadata, ModelInput, allocate_kv_cache
+from jserve.engine.config import EngineConfig
+from jserve.engine.sampler import SamplerOutput, SamplingRow, build_sampling_batch, init_penalty_state
+from jserve.engine.scheduler import ScheduledSequence
+from jserve.engine.step import PenaltyUpdate, StepInput, engine_step
+from jserve.loader import LoadedModel
+
+log = logging.getLogger("jserve")
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, config: EngineConfig, page_table: np.ndarray, stop_ids: frozenset[int]):
+        self.model, self.config = model, config
+        self.page_table = page_table  # the scheduler's, by slot
+        self.stop_ids = stop_ids
+        self.kv_cache = allocate_kv_cache(model.config, config.num_pages, config.page_size, model.dtype)
+        self.penalty_state = init_penalty_state(config.max_num_seqs, model.config.vocab_size)
+        self.executables: dict[int, jax.stages.Compiled] = {}
+
+    def warm_up(self) -> None:
+        """Compile every bucket now, so serving never waits on the compiler."""
+        start = time.perf_counter()
+        for bucket in tqdm(self.config.token_buckets, desc="Compiling step buckets", unit="bucket"):
+            step = jax.device_put(self.prepare([], bucket))
+            lowered = engine_step.lower(self.model.graphdef, self.model.params, self.kv_cache, self.penalty_state, step)
+            self.executables[bucket] = lowered.compile()
+        log.info(
+            "Compiled %d step variants (token buckets %s) in %.1fs",
+            len(self.executables),
+            ", ".join(map(str, self.config.token_buckets)),
+            time.perf_counter() - start,
+        )
+
+    def bucket_for(self, num_tokens: int) -> int:
+        return next(b for b in self.config.token_buckets if b >= num_tokens)
+
+    def run(self, sequences: list[ScheduledSequence]) -> SamplerOutput:
+        """One step; returns the samples (numpy), row i for sequences[i]."""
+        bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
+        step = jax.device_put(self.prepare(sequences, bucket))
+        out, self.kv_cache, self.penalty_state = self.executables[bucket](
+            self.model.params, self.kv_cache, self.penalty_state, step
+        )
+        return jax.device_get(out)
+
+    def prepare(self, sequences: list[ScheduledSequence], bucket: int) -> StepInput:
+        """Host arrays for a step, padded to `bucket` tokens and its sequence count (vectorised numpy)."""
+        cfg = self.config
+        num_seqs = cfg.seq_bucket(bucket)
+        n = len(sequences)
+        lens = np.array([s.num_tokens for s in sequences], np.int32)
+        starts = np.array([s.start for s in sequences], np.int32)
+        slots = np.array([s.request.slot for s in sequences], np.int32)
+        prompt_lens = np.array([s.request.num_prompt_tokens for s in sequences], np.int32)
+        cu = np.zeros(n + 1, np.int32)
+        np.cumsum(lens, out=cu[1:])
+        total = int(cu[-1])
+
+        seq_of_token = np.repeat(np.arange(n), lens)
+        positions = np.zeros(bucket, np.int32)
+        positions[:total] = starts[seq_of_token] + np.arange(total) - cu[seq_of_token]
+        token_ids = np.zeros(bucket, np.int32)
+        if n:
+            token_ids[:total] = np.concatenate(
+                [s.request.token_buffer[s.start : s.start + s.num_tokens] for s in sequences]
+            )
+        page_tables = np.zeros((num_seqs, cfg.max_pages_per_seq), np.int32)
+        page_tables[:n] = self.page_table[slots]
+        slot_mapping = np.full(bucket, PAD_SLOT, np.int32)
+        real_pos = positions[:total]
+        slot_mapping[:total] = (
+            page_tables[seq_of_token, real_pos // cfg.page_size] * cfg.page_size + real_pos % cfg.page_size
+        )
+        query_start_loc = np.full(num_seqs + 1, total, np.int32)
+        query_start_loc[: n + 1] = cu
+        context_lens = np.zeros(num_seqs, np.int32)
+        context_lens[:n] = starts + lens
+        logits_indices = np.zeros(num_seqs, np.int32)
+        logits_indices[:n] = cu[1:] - 1
+
+        token_slots = np.zeros(bucket, np.int32)
+        token_slots[:total] = slots[seq_of_token]
+        is_output = np.zeros(bucket, bool)
+        is_output[:total] = real_pos >= prompt_lens[seq_of_token]
+        padded_slots = np.zeros(num_seqs, np.int32)
+        padded_slots[:n] = slots
+        reset = np.zeros(num_seqs, bool)
+        reset[:n] = starts == 0
+
+        return StepInput(
+            model=ModelInput(
+                token_ids=token_ids,
+                attention=AttentionMetadata(positions, slot_mapping, page_tables, context_lens, query_start_loc),
+                logits_indices=logits_indices,
+            ),
+            sampling=build_sampling_batch([self._sampling_row(s) for s in sequences], num_seqs),
+            penalties=PenaltyUpdate(token_slots, is_output, np.arange(bucket) < total, padded_slots, reset),
+        )
+
+    def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
+        request = seq.request
+        params = request.params
+        suppressed: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            suppressed = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else tuple(self.stop_ids))
+        return SamplingRow(params, request.seed, request.num_output_tokens, request.slot, suppressed)

@@ -1,0 +1,44 @@
+"""The engine's one jitted step: run the model on a padded mixed batch, then sample each sequence on device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+from flax import nnx
+
+from jserve.attention import KVCache, ModelInput
+from jserve.engine.sampler import PenaltyState, SamplerOutput, SamplingBatch, sample, update_penalty_state
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PenaltyUpdate:
+    """Which penalty-state rows this step's input tokens belong to (see update_penalty_state)."""
+
+    token_slots: jax.Array  # [T]
+    is_output: jax.Array  # [T] the token was generated (not part of the prompt)
+    valid: jax.Array  # [T] False for padding tokens
+    reset_slots: jax.Array  # [S]
+    reset: jax.Array  # [S] the sequence starts from position 0: its row starts afresh
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInput:
+    model: ModelInput
+    sampling: SamplingBatch
+    penalties: PenaltyUpdate
+
+
+@partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def engine_step(
+    graphdef: nnx.GraphDef, params: nnx.State, kv_cache: KVCache, penalty_state: PenaltyState, step: StepInput
+) -> tuple[SamplerOutput, KVCache, PenaltyState]:
+    logits, kv_cache = nnx.merge(graphdef, params)(step.model, kv_cache)
+    p = step.penalties
+    penalty_state = update_penalty_state(
+        penalty_state, step.model.token_ids, p.token_slots, p.is_output, p.valid, p.reset_slots, p.reset
+    )
+    return sample(logits, step.sampling, penalty_state), kv_cache, penalty_state

@@ -1,0 +1,184 @@
+"""The Python API: `LLM` for batches, chat and streaming, and `generate()` for notebooks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+from tqdm.auto import tqdm
+
+from jserve.engine.config import resolve_engine_config
+from jserve.engine.engine import LLMEngine
+from jserve.loader import load_model
+from jserve.loader.default_model import cache_dir
+from jserve.outputs import RequestOutput
+from jserve.sampling_params import SamplingParams
+
+log = logging.getLogger("jserve")
+
+Prompt = str | list[int]
+Messages = list[dict]
+
+
+def enable_compilation_cache() -> None:
+    """Persist compiled steps across runs (unless the user chose a cache dir already)."""
+    if not jax.config.jax_compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+
+
+class LLM:
+    """A model with its engine. `LLM()` serves the default model, SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        page_size: int = 16,
+        kv_cache_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+    ):
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not available yet (tensor parallelism is issue #7)")
+        start = time.perf_counter()
+        enable_compilation_cache()
+        loaded = load_model(model, dtype=dtype)
+        config = resolve_engine_config(
+            loaded.config,
+            loaded.dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            page_size=page_size,
+            kv_cache_memory=kv_cache_memory,
+            seed=seed,
+        )
+        if enable_prefix_caching:
+            log.info("Prefix caching is not implemented yet (issue #5); every prompt is computed in full")
+        self.engine = LLMEngine(loaded, config)
+        self.tokenizer = loaded.tokenizer
+        log.info("Engine ready in %.1fs", time.perf_counter() - start)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (a str, a list of str, or a list of token-id lists); outputs in input order."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        return self._run(prompts, sampling_params, use_tqdm, priority)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of messages) or to each of several, with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations
+        ]
+        return self._run(texts, sampling_params, use_tqdm, None, templated=True)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the completion's text as it is generated (one completion: n must be 1)."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"stream produces one completion; got n={params.n}")
+        request_id = self.engine.add_request(prompt, params)
+        sent = 0
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    text = out.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if out.finished:
+                        return
+        finally:
+            self.engine.abort_request(request_id)  # no-op once finished; frees the pages if the caller stopped early
+
+    def _run(self, prompts, sampling_params, use_tqdm, priority, templated: bool = False) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        ids: list[str] = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities, strict=True):
+                if templated:  # the template wrote any BOS itself
+                    ids.append(self.engine.add_request(self.tokenizer.encode(prompt, False), p, priority=prio,
+                                                       prompt_text=prompt))  # fmt: skip
+                else:
+                    ids.append(self.engine.add_request(prompt, p, priority=prio))
+            return self._drain(ids, use_tqdm)
+        except BaseException:  # a bad prompt, or Ctrl-C: withdraw this batch, leave the engine usable
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            self.engine.step()  # hand the aborted requests' pages back now
+            raise
+
+    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        start, generated = time.perf_counter(), 0
+        while pending:
+            for out in self.engine.step():
+                if out.request_id in pending and out.finished:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix(out_tok_s=f"{generated / (time.perf_counter() - start):.1f}")
+        bar.close()
+        return [done[i] for i in ids]
+
+
+_engines: dict[str, LLM] = {}
+
+
+def generate(
+    prompt_or_prompts: str | Sequence[str], model: str | None = None, chat: bool | None = None, **sampling_kwargs
+) -> str | list[str]:
+    """The notebook one-liner: reply to a prompt (or each of a list) with a lazily created, reused engine.
+
+    Greedy and up to 256 tokens unless sampling_kwargs say otherwise; instruct models (those with a chat
+    template) get the prompt as a user message unless chat=False.
+    """
+    key = str(model)
+    if key not in _engines:
+        _engines[key] = LLM(model)
+    llm = _engines[key]
+    sampling_kwargs.setdefault("temperature", 0.0)
+    sampling_kwargs.setdefault("max_tokens", 256)
+    params = SamplingParams(**sampling_kwargs)
+    prompts = [prompt_or_prompts] if isinstance(prompt_or_prompts, str) else list(prompt_or_prompts)
+    use_chat = llm.tokenizer.chat_template is not None if chat is None else chat
+    if use_chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    texts = [o.outputs[0].text for o in outputs]
+    return texts[0] if isinstance(prompt_or_prompts, str) else texts

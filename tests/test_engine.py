@@ -1,0 +1,260 @@
+"""The engine end to end on tiny checkpoints: exactness, batch/chunk/preemption invariance, stops, API."""
+
+import numpy as np
+import pytest
+
+from conftest import assert_engine_idle, tiny_kv_bytes
+from jserve import LLM, SamplingParams
+from jserve.engine.compile_guard import compile_count
+from tiny_models import VARIANTS, VOCAB_SIZE, reference_greedy, save_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def tiny_llm(folder, **kwargs) -> LLM:
+    settings = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                    kv_cache_memory=tiny_kv_bytes(64), enable_prefix_caching=False)  # fmt: skip
+    settings.update(kwargs)
+    return LLM(folder, **settings)
+
+
+def prompts(count, seed=0, low=5, high=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB_SIZE, int(rng.integers(low, high))).tolist() for _ in range(count)]
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_checkpoint):
+    engine = tiny_llm(tiny_llama_checkpoint[0])
+    yield engine
+    assert_engine_idle(engine)
+
+
+@pytest.fixture(autouse=True)
+def pages_return(request):
+    yield
+    if "llm" in request.fixturenames:
+        assert_engine_idle(request.getfixturevalue("llm"))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_batched_greedy_matches_transformers(tmp_path, variant):
+    family, overrides = VARIANTS[variant]
+    reference = save_tiny_checkpoint(tmp_path, family, **overrides)
+    engine = tiny_llm(tmp_path)
+    batch = prompts(6, seed=7)
+    outputs = engine.generate(batch, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == [reference_greedy(reference, p, GREEDY.max_tokens) for p in batch]
+    assert_engine_idle(engine)
+
+
+def test_output_does_not_depend_on_the_batch(llm):
+    probe = prompts(1, seed=1)[0]
+    alone = token_ids(llm.generate([probe], GREEDY, use_tqdm=False))[0]
+    crowd = prompts(31, seed=2, low=3, high=120)
+    mixed = [SamplingParams(temperature=0, max_tokens=int(n), ignore_eos=True) for n in np.arange(31) % 29 + 2]
+    outputs = llm.generate(crowd[:15] + [probe] + crowd[15:], mixed[:15] + [GREEDY] + mixed[15:], use_tqdm=False)
+    assert outputs[15].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("chunk", [8, 64, 256])
+def test_output_does_not_depend_on_chunk_size(tiny_llama_checkpoint, llm, chunk):
+    batch = prompts(5, seed=3, low=30, high=200)
+    expected = token_ids(llm.generate(batch, GREEDY, use_tqdm=False))
+    chunked = tiny_llm(tiny_llama_checkpoint[0], max_num_batched_tokens=chunk)
+    assert token_ids(chunked.generate(batch, GREEDY, use_tqdm=False)) == expected
+    assert_engine_idle(chunked)
+
+
+def test_preempted_requests_recompute_to_the_same_output(tiny_llama_checkpoint, llm):
+    batch = prompts(8, seed=4, low=20, high=40)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    expected = token_ids(llm.generate(batch, params, use_tqdm=False))
+    cramped = tiny_llm(tiny_llama_checkpoint[0], kv_cache_memory=tiny_kv_bytes(20))  # 320 tokens for ~700 needed
+    outputs = cramped.generate(batch, params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert token_ids(outputs) == expected
+    assert_engine_idle(cramped)
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    probe = prompts(1, seed=5)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=1234, ignore_eos=True)
+    alone = token_ids(llm.generate([probe], params, use_tqdm=False))[0]
+    neighbours = prompts(5, seed=6)
+    others = SamplingParams(temperature=0.7, max_tokens=10, seed=99, ignore_eos=True)
+    outputs = llm.generate(neighbours + [probe], [others] * 5 + [params], use_tqdm=False)
+    assert outputs[-1].outputs[0].token_ids == alone
+    reseeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=4321, ignore_eos=True)
+    assert token_ids(llm.generate([probe], reseeded, use_tqdm=False))[0] != alone
+
+
+def test_n_completions(llm):
+    out = llm.generate([prompts(1, seed=8)[0]], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5,
+                                                              ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_no_compilation_after_warm_up(llm):
+    before = compile_count()
+    llm.generate(prompts(12, seed=9, high=150), SamplingParams(temperature=0.5, top_k=5, max_tokens=30), use_tqdm=False)
+    assert compile_count() == before
+
+
+# --- stops -------------------------------------------------------------------------------------------
+
+
+def test_max_tokens_and_eos(llm):
+    probe = prompts(1, seed=10)[0]
+    free_run = llm.generate([probe], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == GREEDY.max_tokens
+    # Make the 5th generated token a stop token: generation ends there, the token is kept.
+    stop_at = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_at)
+    stopped = llm.generate([probe], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]),
+                           use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert stopped.token_ids == free_run.token_ids[: first + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_at)
+
+
+def test_min_tokens_suppresses_stops(llm):
+    probe = prompts(1, seed=10)[0]
+    free_run = llm.generate([probe], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop_at = free_run.token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at], min_tokens=6)
+    out = llm.generate([probe], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 6 and stop_at not in out.token_ids[:5]
+
+
+def test_stop_string_is_excluded_from_text(llm):
+    probe = prompts(1, seed=11)[0]
+    text = llm.generate([probe], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = text[5:8]
+    assert len(stop) == 3 and stop.strip()
+    out = llm.generate([probe], SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.text == text[: text.index(stop)]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
+def test_max_model_len_ends_generation(llm):
+    probe = prompts(1, seed=12, low=250, high=251)[0]
+    out = llm.generate([probe], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 256 - 250 and out.outputs[0].finish_reason == "length"
+
+
+def test_abort_by_request_id(llm):
+    engine = llm.engine
+    keep = engine.add_request(prompts(1, seed=13)[0], GREEDY)
+    drop = engine.add_request(prompts(1, seed=14)[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    engine.step()
+    engine.abort_request(drop)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished[drop].outputs[0].finish_reason == "abort"
+    assert finished[keep].outputs[0].finish_reason == "length"
+
+
+def test_priority_runs_urgent_requests_first(tiny_llama_checkpoint):
+    single = tiny_llm(tiny_llama_checkpoint[0], max_num_seqs=1)
+    outputs = single.generate(prompts(3, seed=15), GREEDY, use_tqdm=False, priority=[5, 0, 1])
+    order = sorted(range(3), key=lambda i: outputs[i].metrics.first_token_time)
+    assert order == [1, 2, 0]
+    assert_engine_idle(single)
+
+
+# --- API --------------------------------------------------------------------------------------------
+
+
+def test_stream_matches_generate(llm):
+    probe = prompts(1, seed=16)[0]
+    deltas = list(llm.stream(probe, GREEDY))
+    assert len(deltas) > 1
+    assert "".join(deltas) == llm.generate([probe], GREEDY, use_tqdm=False)[0].outputs[0].text
+
+
+def test_stream_closed_early_frees_its_pages(llm):
+    stream = llm.stream(prompts(1, seed=17)[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    next(stream)
+    stream.close()
+    llm.engine.step()  # the abort hands the pages back on the next step
+
+
+def test_logprobs(llm):
+    probe = prompts(1, seed=18)[0]
+    out = llm.generate([probe], SamplingParams(temperature=0, max_tokens=3, logprobs=4), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 3
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2, 3, 4]
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:], strict=False))
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs,
+                                                                                     strict=True)), rel=1e-5)  # fmt: skip
+
+
+def test_keyboard_interrupt_leaves_the_engine_usable(llm, monkeypatch):
+    engine, real_step, calls = llm.engine, llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts(4, seed=19), GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_engine_idle(llm)
+    assert len(llm.generate(prompts(2, seed=20), GREEDY, use_tqdm=False)) == 2
+
+
+def test_a_failing_request_does_not_break_the_others(llm, monkeypatch):
+    processor = llm.engine.outputs
+    real_append = processor.append
+
+    def flaky_append(request, samples, row):
+        if request.prompt_token_ids[0] == 7:
+            raise RuntimeError("boom")
+        return real_append(request, samples, row)
+
+    monkeypatch.setattr(processor, "append", flaky_append)
+    batch = [[7, 1, 2, 3], *prompts(3, seed=21)]
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "abort"
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs[1:])
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt,kwargs,field",
+    [
+        ("", {}, "prompt"),
+        ([], {}, "prompt"),
+        ([1] * 256, {}, "max_model_len"),
+        ([1, VOCAB_SIZE + 5], {}, "prompt_token_ids"),
+        ([1, -1], {}, "prompt_token_ids"),
+        ([1, 2], {"max_tokens": 0}, "max_tokens"),
+        ([1, 2], {"temperature": -0.5}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"top_p": 1.5}, "top_p"),
+        ([1, 2], {"top_k": -3}, "top_k"),
+        ([1, 2], {"n": 0}, "n"),
+        ([1, 2], {"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
+    ],
+)
+def test_bad_input_is_rejected_before_anything_is_queued(llm, prompt, kwargs, field):
+    good = prompts(2, seed=22)
+    with pytest.raises(ValueError, match=field):
+        llm.generate(good + [prompt], [GREEDY, GREEDY, SamplingParams(**kwargs)], use_tqdm=False)
+    assert_engine_idle(llm)
