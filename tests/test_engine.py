@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from conftest import assert_engine_idle, tiny_kv_bytes
 from jserve import LLM, SamplingParams
 from jserve.engine.compile_guard import compile_count
-from tiny_models import VARIANTS, VOCAB_SIZE, reference_greedy, save_tiny_checkpoint
+
+from tiny_models import VARIANTS, VOCAB_SIZE, assert_engine_idle, reference_greedy, save_tiny_checkpoint, tiny_kv_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -196,8 +196,8 @@ def test_logprobs(llm):
         ranked = sorted(entry.values(), key=lambda lp: lp.rank)
         assert [lp.rank for lp in ranked] == [1, 2, 3, 4]
         assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:], strict=False))
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs,
-                                                                                     strict=True)), rel=1e-5)  # fmt: skip
+    chosen = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs, strict=True)]
+    assert out.cumulative_logprob == pytest.approx(sum(chosen), rel=1e-5)
 
 
 def test_keyboard_interrupt_leaves_the_engine_usable(llm, monkeypatch):

@@ -8,12 +8,13 @@ import jax
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
-from tiny_models import VARIANTS, save_tiny_checkpoint, write_gguf
 
 from jserve.cli import main as cli_main
 from jserve.errors import ModelLoadError
 from jserve.greedy import prompt_logits
 from jserve.loader import load_model
+
+from tiny_models import VARIANTS, save_tiny_checkpoint, write_gguf
 
 PROMPT = list(range(3, 40))
 

@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
-from tiny_models import VARIANTS, VOCAB_SIZE, reference_greedy, reference_logits, save_tiny_checkpoint
 
 from jserve.greedy import greedy_generate, prompt_logits
 from jserve.loader import load_model
+
+from tiny_models import VARIANTS, VOCAB_SIZE, reference_greedy, reference_logits, save_tiny_checkpoint
 
 LOGITS_ATOL = 1e-4
 GREEDY_TOKENS = 32

@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import VOCAB_SIZE, save_tiny_checkpoint
 
 from jserve.attention import KVPages, SequenceChunk, allocate_kv_cache, build_model_input, paged_attention, write_kv
 from jserve.greedy import prompt_logits
 from jserve.loader import load_model
 from jserve.models import forward_step
+
+from tiny_models import VOCAB_SIZE, save_tiny_checkpoint
 
 
 def dense_attention(q, k, v, q_positions, scale, window, soft_cap):

@@ -199,3 +199,16 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def tiny_kv_bytes(pages: int, page_size: int = 16) -> int:
+    """kv_cache_memory for `pages` pages of the tiny models (2 layers, 2 KV heads of 16 dims, float32)."""
+    return pages * page_size * 2 * 2 * 2 * 16 * 4
+
+
+def assert_engine_idle(llm) -> None:
+    """Nothing queued or running, and every KV page back in the pool."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.pool.num_free == engine.config.num_pages
+    assert not engine.scheduler.running

@@ -146,7 +146,7 @@ class LLMEngine:
             before = compile_count()
             samples = self.runner.run(scheduled.sequences)
             if compile_count() != before:
-                message = f"the step compiled {compile_count() - before} time(s) after warm-up"
+                message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
                 if self.forbid_recompile:
                     raise RuntimeError(message)
                 log.warning(message)
