@@ -92,7 +92,7 @@ class SamplingRow:
 def process_logits(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
     """[S, V] logits as the draw sees them: biased and penalised; then for sampling rows also divided by
     the temperature and filtered by top-k, top-p and min-p (filtered-out tokens -inf)."""
-    logits = _apply_bias(logits.astype(jnp.float32), batch)
+    logits = _apply_bias(jnp.asarray(logits, jnp.float32), batch)
     logits = apply_penalties(
         logits, state, batch.slots, batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
     )
@@ -115,7 +115,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
 
     perturbed = jax.lax.cond(jnp.all(greedy), lambda x: x, add_gumbel, processed)
     token_ids = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    raw = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
     missing = MAX_LOGPROBS - top_ids.shape[-1]  # a vocabulary smaller than MAX_LOGPROBS (tiny test models)
     return SamplerOutput(
