@@ -1,4 +1,4 @@
-"""The `jserve` command: generate text with a model, or convert a checkpoint to jserve's Orbax format."""
+"""The `jserve` command: generate, chat, and convert checkpoints to jserve's Orbax format."""
 
 from __future__ import annotations
 
@@ -11,27 +11,111 @@ from jserve.errors import JServeError
 
 log = logging.getLogger("jserve")
 
+DTYPES = ["auto", "float32", "bfloat16"]
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file, HF folder or hub id in the local cache, jserve "
+                        "folder (default: SmolLM2-135M-Instruct)")  # fmt: skip
+    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_llm(args: argparse.Namespace):
+    from jserve.llm import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+    )
+
+
+def sampling_params(args: argparse.Namespace):
+    from jserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+    )
+
+
+def stream_reply(llm, prompt_ids: list[int], params) -> str:
+    start, reply = time.perf_counter(), []
+    for delta in llm.stream(prompt_ids, params):
+        reply.append(delta)
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    text = "".join(reply)
+    log.info(
+        "%d prompt tokens, reply of %d characters in %.2fs", len(prompt_ids), len(text), time.perf_counter() - start
+    )
+    return text
+
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from jserve.greedy import iter_greedy
-    from jserve.loader import load_model
-    from jserve.tokenizer import IncrementalDetokenizer
-
-    model = load_model(args.model, dtype=args.dtype)
-    tokenizer = model.tokenizer
+    llm, params = build_llm(args), sampling_params(args)
+    tokenizer = llm.get_tokenizer()
     if tokenizer.chat_template and not args.raw:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    start, count = time.perf_counter(), 0
-    for token in iter_greedy(model, prompt_ids, args.max_tokens):
-        count += 1
-        sys.stdout.write(detokenizer.add([token]))
-        sys.stdout.flush()
-    sys.stdout.write(detokenizer.flush() + "\n")
-    log.info("%d prompt tokens, %d generated in %.2fs (greedy)", len(prompt_ids), count, time.perf_counter() - start)
+    stream_reply(llm, prompt_ids, params)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    llm, params = build_llm(args), sampling_params(args)
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        reply = stream_reply(llm, tokenizer.encode(text, add_special_tokens=False), params)
+        messages.append({"role": "assistant", "content": reply})
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
@@ -46,19 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description="LLM inference on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="greedy-generate a reply to one prompt")
+    gen = sub.add_parser("generate", help="reply to one prompt, streamed to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="GGUF file, HF folder or hub id in the local cache, jserve folder "
-                     "(default: SmolLM2-135M-Instruct)")  # fmt: skip
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    for add in (add_model_args, add_engine_args, add_sampling_args):
+        add(gen)
     gen.set_defaults(run=cmd_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for add in (add_model_args, add_engine_args, add_sampling_args):
+        add(chat)
+    chat.set_defaults(run=cmd_chat)
 
     conv = sub.add_parser("convert", help="write a model as a jserve Orbax checkpoint, which loads faster")
     conv.add_argument("src", help="GGUF file, HF folder or jserve folder")
     conv.add_argument("dst", help="new folder to write")
-    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    conv.add_argument("--dtype", default="auto", choices=DTYPES)
     conv.set_defaults(run=cmd_convert)
     return parser
 
@@ -74,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     except (JServeError, FileExistsError, ValueError) as err:
         log.error("%s", err)
         return 1
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -11,10 +11,9 @@ from gguf.quants import dequantize, quantize
 
 from jserve.cli import main as cli_main
 from jserve.errors import ModelLoadError
-from jserve.greedy import prompt_logits
 from jserve.loader import load_model
 
-from tiny_models import VARIANTS, save_tiny_checkpoint, write_gguf
+from tiny_models import VARIANTS, jserve_prompt_logits, save_tiny_checkpoint, write_gguf
 
 PROMPT = list(range(3, 40))
 
@@ -46,7 +45,9 @@ def test_gguf_and_safetensors_give_the_same_logits(tmp_path, variant):
     assert from_gguf.config.qk_norm == from_hf.config.qk_norm
     # llama3 rope arrives as scaling metadata from config.json but as rope_freqs divisors from GGUF.
     assert (from_gguf.config.rope_freq_factors is not None) == (variant == "llama3-rope")
-    np.testing.assert_allclose(prompt_logits(from_gguf, PROMPT), prompt_logits(from_hf, PROMPT), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        jserve_prompt_logits(from_gguf, PROMPT), jserve_prompt_logits(from_hf, PROMPT), atol=1e-5, rtol=0
+    )
     assert from_gguf.tokenizer.encode("The quick brown fox") == from_hf.tokenizer.encode("The quick brown fox")
 
 
@@ -67,7 +68,7 @@ def test_sharded_checkpoint_with_index(tmp_path, llama_folder):
     shutil.copy(folder / "tokenizer.json", sharded)
     assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").is_file()
     original, reloaded = load_model(folder, "float32"), load_model(sharded, "float32")
-    np.testing.assert_array_equal(prompt_logits(reloaded, PROMPT), prompt_logits(original, PROMPT))
+    np.testing.assert_array_equal(jserve_prompt_logits(reloaded, PROMPT), jserve_prompt_logits(original, PROMPT))
 
     next(sharded.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(ModelLoadError, match=r"index\.json lists shard files that are missing: model-00002-"):
@@ -84,7 +85,7 @@ def test_bfloat16_loads_straight_to_bfloat16(llama_folder):
     folder, _ = llama_folder
     model = load_model(folder, "bfloat16")
     assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {np.dtype("bfloat16")}
-    assert np.isfinite(prompt_logits(model, PROMPT)).all()
+    assert np.isfinite(jserve_prompt_logits(model, PROMPT)).all()
 
 
 def test_orbax_round_trip_gives_identical_params(tmp_path, llama_folder):

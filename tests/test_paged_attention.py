@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 from jserve.attention import KVPages, SequenceChunk, allocate_kv_cache, build_model_input, paged_attention, write_kv
-from jserve.greedy import prompt_logits
 from jserve.loader import load_model
 from jserve.models import forward_step
 
-from tiny_models import VOCAB_SIZE, save_tiny_checkpoint
+from tiny_models import VOCAB_SIZE, jserve_prompt_logits, save_tiny_checkpoint
 
 
 def dense_attention(q, k, v, q_positions, scale, window, soft_cap):
@@ -100,7 +99,7 @@ def test_logits_do_not_depend_on_chunking_or_batch(tiny_llama):
     model, page_size = tiny_llama, 16
     rng = np.random.default_rng(3)
     a, b = rng.integers(0, VOCAB_SIZE, 30), rng.integers(0, VOCAB_SIZE, 21)
-    whole = prompt_logits(model, a.tolist())
+    whole = jserve_prompt_logits(model, a.tolist())
 
     kv = allocate_kv_cache(model.config, 8, page_size, model.dtype)
     a_pages, b_pages = np.array([5, 1], np.int32), np.array([2, 7], np.int32)
@@ -114,4 +113,4 @@ def test_logits_do_not_depend_on_chunking_or_batch(tiny_llama):
     # Equal up to float32 noise: XLA orders matmul reductions by batch shape, so bits may differ.
     np.testing.assert_allclose(np.asarray(logits1)[:13], whole[:13], atol=1e-4)
     np.testing.assert_allclose(np.asarray(logits2)[:17], whole[13:], atol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits2)[17:38], prompt_logits(model, b.tolist()), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits2)[17:38], jserve_prompt_logits(model, b.tolist()), atol=1e-4)

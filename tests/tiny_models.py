@@ -212,3 +212,17 @@ def assert_engine_idle(llm) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.pool.num_free == engine.config.num_pages
     assert not engine.scheduler.running
+
+
+def jserve_prompt_logits(model, prompt_ids: list[int]) -> np.ndarray:
+    """jserve's float32 logits [len(prompt), vocab] at every prompt position, from one model step."""
+    from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
+    from jserve.models import forward_step
+
+    n, page_size = len(prompt_ids), 16
+    pages = np.arange(-(-n // page_size), dtype=np.int32)
+    kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype)
+    padded = max(16, 1 << (n - 1).bit_length())
+    batch = build_model_input([SequenceChunk(np.asarray(prompt_ids), 0, pages)], page_size, padded, 1, len(pages), True)
+    logits, _ = forward_step(model.graphdef, model.params, kv, batch)
+    return np.asarray(logits)
