@@ -98,6 +98,7 @@ OPTIONS = {
     "repetition below 1": (SamplingParams(temperature=0, repetition_penalty=0.6), ()),
     "presence": (SamplingParams(temperature=0, presence_penalty=1.5), ()),
     "frequency": (SamplingParams(temperature=0, frequency_penalty=-0.8), ()),
+    "greedy ignores the filters": (SamplingParams(temperature=0, top_k=3, top_p=0.5, min_p=0.3), ()),
     "temperature": (SamplingParams(temperature=0.6), ()),
     "tiny temperature": (SamplingParams(temperature=1e-3), ()),
     "top_k": (SamplingParams(top_k=5), ()),
@@ -374,10 +375,14 @@ def test_padding_rows_stay_finite_and_do_not_disturb_real_rows():
     assert int(out.token_ids[0]) == int(alone.token_ids[0])
 
 
-def test_tiny_temperature_is_finite_and_near_greedy():
-    logits = random_logits(1, seed=8)[0]
-    out = draw(logits, SamplingParams(temperature=1e-30), 20)
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-37), SamplingParams(temperature=1e-37, top_p=0.9)])
+def test_tiny_temperatures_draw_the_argmax_without_overflow(params):
+    logits = 20 * random_logits(1, seed=8)[0]  # / 1e-37 would overflow float32
+    out = draw(logits, params, 20)
     assert (out.token_ids == np.argmax(logits)).all()
+    _, batch = rows_for([(params, ())])
+    processed = np.asarray(PROCESS(np.stack([logits] * 3), batch, history_state()))
+    assert not np.isnan(processed).any() and not np.isposinf(processed).any()
 
 
 def test_jit_traces_once_for_any_option_values():

@@ -164,10 +164,11 @@ def _top_k_top_p_threshold(
     width = descending.shape[-1]
     kth = jnp.take_along_axis(descending, (jnp.clip(batch.top_k, 1, width) - 1)[:, None], axis=-1)[:, 0]
     kth = jnp.where(top_k_on, kth, -jnp.inf)
-    # top-p renormalises over the tokens top-k keeps, whose total mass the whole row gives
+    # top-p renormalises over the tokens top-k keeps. Their total mass comes from the whole row; the tokens
+    # past them rank below them and so cannot change a cumulative sum before the k-th token.
     peak = descending[:, :1]
     total = jnp.sum(jnp.where(scaled >= kth[:, None], jnp.exp(scaled - peak), 0.0), axis=-1, keepdims=True)
-    probs = jnp.where(descending >= kth[:, None], jnp.exp(descending - peak), 0.0) / total
+    probs = jnp.exp(descending - peak) / total
     cumulative = jnp.cumsum(probs, axis=-1)
     # keep each token whose better-ranked tokens hold less than top_p: the smallest prefix reaching
     # top_p, and always the top token
