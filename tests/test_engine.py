@@ -271,3 +271,17 @@ def test_bad_input_is_rejected_before_anything_is_queued(llm, prompt, kwargs, fi
     with pytest.raises(ValueError, match=field):
         llm.generate(good + [prompt], [GREEDY, GREEDY, SamplingParams(**kwargs)], use_tqdm=False)
     assert_engine_idle(llm)
+
+
+def test_generate_one_liner_reuses_its_engine(tiny_llama_checkpoint):
+    import jserve
+    from jserve import llm as llm_module
+
+    folder = str(tiny_llama_checkpoint[0])
+    first = jserve.generate("The quick brown fox", model=folder, max_tokens=5, ignore_eos=True)
+    engine = llm_module._engines[folder]
+    again = jserve.generate(["The quick brown fox", "Paris is"], model=folder, max_tokens=5, ignore_eos=True)
+    assert llm_module._engines[folder] is engine
+    assert isinstance(first, str) and again[0] == first and isinstance(again[1], str)
+    assert_engine_idle(engine)
+    del llm_module._engines[folder]

@@ -76,8 +76,11 @@ def resolve_engine_config(
                         ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    page_bytes = page_size * kv_cache_bytes_per_token(model, dtype)
     memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory()
-    num_pages = memory // (page_size * kv_cache_bytes_per_token(model, dtype))
+    num_pages = memory // page_bytes
+    if kv_cache_memory is None:  # never more than every sequence slot at full length could use
+        num_pages = min(num_pages, max_num_seqs * -(-max_model_len // page_size))
     if num_pages * page_size < max_model_len:
         raise ValueError(
             f"KV cache of {memory / GiB:.2f} GiB holds {num_pages * page_size} tokens, fewer than max_model_len "

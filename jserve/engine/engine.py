@@ -16,6 +16,7 @@ from jserve.engine.output_processor import OutputProcessor
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
 from jserve.engine.scheduler import Scheduler
+from jserve.engine.stats import EngineStats
 from jserve.loader import LoadedModel
 from jserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
@@ -56,6 +57,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.forbid_recompile = os.environ.get(FORBID_RECOMPILE_ENV) == "1"
+        self.stats = EngineStats()
         log.info(
             "KV cache: %d pages = %d tokens; max concurrency at max_model_len %d: %.1f",
             config.num_pages, config.num_pages * config.page_size, config.max_model_len,
@@ -140,11 +142,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and process one step; returns the outputs of every request that changed."""
+        start = time.perf_counter()
         changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
         scheduled = self.scheduler.schedule()
+        stats = self.stats
+        stats.preemptions += len(scheduled.preempted)
         if scheduled.sequences:
             before = compile_count()
-            samples = self.runner.run(scheduled.sequences)
+            stats.host_s += time.perf_counter() - start
+            samples = self.runner.run(scheduled.sequences, stats)
+            processing = time.perf_counter()
             if compile_count() != before:
                 message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
                 if self.forbid_recompile:
@@ -154,8 +161,11 @@ class LLMEngine:
             for row, seq in enumerate(scheduled.sequences):
                 request = seq.request
                 request.num_computed_tokens += seq.num_tokens
+                if seq.start < request.num_prompt_tokens:
+                    stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
                 if not seq.samples:
                     continue
+                stats.generated_tokens += 1
                 changed.add(request.parent_id)
                 if request.first_token_time is None:
                     request.first_token_time = now
@@ -167,6 +177,12 @@ class LLMEngine:
                 if finish is not None:
                     self.scheduler.finish(request, *finish)
                     request.finish_time = now
+            stats.steps += 1
+            stats.host_s += time.perf_counter() - processing
+            pool = self.scheduler.pool
+            stats.maybe_log(
+                len(self.scheduler.running), len(self.scheduler.waiting), 1 - pool.num_free / pool.num_pages
+            )
         results = [self._output(self.parents[pid]) for pid in changed]
         for out in results:
             if out.finished:

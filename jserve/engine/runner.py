@@ -18,6 +18,7 @@ from jserve.attention import PAD_SLOT, AttentionMetadata, ModelInput, allocate_k
 from jserve.engine.config import EngineConfig
 from jserve.engine.sampler import SamplerOutput, SamplingRow, build_sampling_batch, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence
+from jserve.engine.stats import EngineStats
 from jserve.engine.step import PenaltyUpdate, StepInput, engine_step
 from jserve.loader import LoadedModel
 
@@ -50,14 +51,19 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.config.token_buckets if b >= num_tokens)
 
-    def run(self, sequences: list[ScheduledSequence]) -> SamplerOutput:
+    def run(self, sequences: list[ScheduledSequence], stats: EngineStats) -> SamplerOutput:
         """One step; returns the samples (numpy), row i for sequences[i]."""
+        start = time.perf_counter()
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
-        step = jax.device_put(self.prepare(sequences, bucket))
+        step = self.prepare(sequences, bucket)
+        dispatched = time.perf_counter()
         out, self.kv_cache, self.penalty_state = self.executables[bucket](
-            self.model.params, self.kv_cache, self.penalty_state, step
+            self.model.params, self.kv_cache, self.penalty_state, jax.device_put(step)
         )
-        return jax.device_get(out)
+        out = jax.device_get(out)
+        stats.host_s += dispatched - start
+        stats.device_s += time.perf_counter() - dispatched
+        return out
 
     def prepare(self, sequences: list[ScheduledSequence], bucket: int) -> StepInput:
         """Host arrays for a step, padded to `bucket` tokens and its sequence count (vectorised numpy)."""

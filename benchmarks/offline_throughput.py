@@ -1,0 +1,183 @@
+"""Offline throughput: N requests with random prompts, lengths uniform in ranges, ignore_eos (nano-vllm's shape).
+
+Runs jserve with continuous batching, optionally with static batching (`--static`: batches of
+max_num_seqs, each finishing before the next starts) and transformers' sequential generate
+(`--baseline hf`) in the same process, and prints throughput, latency percentiles and ratios.
+
+    python benchmarks/offline_throughput.py --num-requests 64 --input-len 112 144 --output-len 128 128 \
+        --static --baseline hf --baseline-requests 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jserve import LLM, SamplingParams
+from jserve.loader.default_model import default_model_path
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft: list[float]
+    tpot: list[float]
+    steps: int = 0
+    host_s: float = 0.0
+    device_s: float = 0.0
+
+
+def make_workload(args, vocab_size: int) -> Workload:
+    rng = np.random.default_rng(args.seed)
+    lens = rng.integers(args.input_len[0], args.input_len[1] + 1, args.num_requests)
+    # Ids from the lower vocabulary: ordinary tokens, no chat control tokens.
+    prompts = [rng.integers(100, min(vocab_size, 20000), n).tolist() for n in lens]
+    outputs = rng.integers(args.output_len[0], args.output_len[1] + 1, args.num_requests).tolist()
+    return Workload(prompts, outputs)
+
+
+def run_jserve(llm: LLM, work: Workload, static: bool) -> Result:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    stats = llm.engine.stats
+    before = (stats.steps, stats.host_s, stats.device_s)
+    start = time.perf_counter()
+    if static:
+        size = llm.engine.config.max_num_seqs
+        outputs = []
+        for i in range(0, len(work.prompts), size):
+            outputs += llm.generate(work.prompts[i : i + size], params[i : i + size], use_tqdm=False)
+    else:
+        outputs = llm.generate(work.prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    tpot = [
+        (o.metrics.finish_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+        for o in outputs
+        if len(o.outputs[0].token_ids) > 1
+    ]
+    return Result(
+        "jserve static" if static else "jserve continuous",
+        seconds,
+        sum(map(len, work.prompts)),
+        sum(len(o.outputs[0].token_ids) for o in outputs),
+        ttft,
+        tpot,
+        stats.steps - before[0],
+        stats.host_s - before[1],
+        stats.device_s - before[2],
+    )
+
+
+def run_hf(model_path, work: Workload, count: int) -> Result:
+    """transformers float32, one request at a time, in a child process so JAX's threads cannot slow it."""
+    payload = json.dumps({"model": str(model_path), "prompts": work.prompts[:count], "lens": work.output_lens[:count]})
+    done = subprocess.run([sys.executable, __file__, "--hf-worker"], input=payload, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"transformers baseline failed:\n{done.stderr[-3000:]}")
+    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def hf_worker() -> None:
+    import pathlib
+
+    import torch
+    import transformers
+
+    job = json.loads(sys.stdin.read())
+    model_path = pathlib.Path(job["model"])
+    work = Workload(job["prompts"], job["lens"])
+    count = len(work.prompts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype="float32"
+    ).eval()
+    ttft, tpot, out_tokens = [], [], 0
+    start = time.perf_counter()
+    with torch.no_grad():
+        for prompt, n in zip(work.prompts[:count], work.output_lens[:count], strict=True):
+            t0 = time.perf_counter()
+            model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
+            ttft.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            tpot.append((time.perf_counter() - t1) / n)
+            out_tokens += n
+    seconds = time.perf_counter() - start - sum(ttft)  # the TTFT probes are not part of the workload
+    result = Result("transformers sequential", seconds, sum(map(len, work.prompts)), out_tokens, ttft, tpot)
+    print(json.dumps(result.__dict__))
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def report(results: list[Result]) -> None:
+    print(
+        f"{'engine':24} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'host ms/step':>13} {'device ms/step':>15}"
+    )
+    for r in results:
+        n = len(r.ttft)
+        per_step = (1000 * r.host_s / r.steps, 1000 * r.device_s / r.steps) if r.steps else (float("nan"),) * 2
+        print(
+            f"{r.name:24} {n / r.seconds:7.2f} {r.output_tokens / r.seconds:10.1f} "
+            f"{(r.prompt_tokens + r.output_tokens) / r.seconds:12.1f} {pct(r.ttft, 50):9.2f} {pct(r.ttft, 99):9.2f} "
+            f"{pct(r.tpot, 50) * 1000:7.1f}ms {pct(r.tpot, 99) * 1000:7.1f}ms {per_step[0]:13.1f} {per_step[1]:15.1f}"
+        )
+    base = results[0].output_tokens / results[0].seconds
+    for r in results[1:]:
+        print(f"{results[0].name} / {r.name} output tok/s: {base / (r.output_tokens / r.seconds):.2f}x")
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--hf-worker"]:
+        return hf_worker()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(112, 144), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(128, 128), metavar=("MIN", "MAX"))
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--static", action="store_true", help="also run static batching")
+    parser.add_argument("--baseline", choices=["hf"], default=None)
+    parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype="float32", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)  # fmt: skip
+    print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets): {time.perf_counter() - start:.1f}s")
+    work = make_workload(args, llm.engine.model.config.vocab_size)
+    llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
+
+    results = [run_jserve(llm, work, static=False)]
+    if args.static:
+        results.append(run_jserve(llm, work, static=True))
+    if args.baseline == "hf":
+        model_path = default_model_path() if args.model is None else Path(args.model)
+        results.append(run_hf(model_path, work, args.baseline_requests))
+    print(f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
+          f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, float32")  # fmt: skip
+    report(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Counters the engine keeps about its steps, and the periodic log line built from them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("jserve")
+
+LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    host_s: float = 0.0  # scheduling, building the batch arrays, processing outputs
+    device_s: float = 0.0  # from dispatching the step to having its samples on the host
+    prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
+    generated_tokens: int = 0
+    preemptions: int = 0
+    _last_log: float = field(default_factory=time.monotonic, repr=False)
+    _last_counts: tuple[int, int] = (0, 0)
+
+    def maybe_log(self, running: int, waiting: int, kv_used: float) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < LOG_INTERVAL_S:
+            return
+        prompt, generated = self.prompt_tokens - self._last_counts[0], self.generated_tokens - self._last_counts[1]
+        log.info(
+            "prefill %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.0f%% used; "
+            "host %.1f%% of step time; %d preemptions so far",
+            prompt / elapsed, generated / elapsed, running, waiting, 100 * kv_used,
+            100 * self.host_s / max(self.host_s + self.device_s, 1e-9), self.preemptions,
+        )  # fmt: skip
+        self._last_log, self._last_counts = now, (self.prompt_tokens, self.generated_tokens)
