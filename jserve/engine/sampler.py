@@ -4,8 +4,10 @@ For a padded batch of S sequences the sampler applies, row by row with each row'
 logit_bias → repetition penalty → presence/frequency penalties, then either argmax (temperature 0) or
 temperature → top-k → top-p → min-p → a seeded Gumbel-max draw. Rows never read one another, so a
 request's tokens do not depend on its row or its neighbours; the only batch-wide decisions are whether
-to run the penalty gather, the sort and the random draw at all (`lax.cond`: skipped when no row needs
-them, which on CPU saves most of the cost for plain greedy or plain temperature batches).
+to run the penalty gather, the top-k/top-p sort and the random draw at all (`lax.cond`: skipped when no
+row needs them, which on CPU saves most of the cost of plain greedy or plain temperature batches).
+top-k/top-p look at each row's best TOP_HEAD tokens (`lax.top_k`) and sort whole rows only when those do
+not decide a row (k > TOP_HEAD, or a flat distribution whose head holds less than top_p).
 
 Ties: top-k and top-p become a threshold logit, and every token equal to the threshold is kept, so a
 tie at the boundary can keep more than k tokens; min-p keeps tokens with exactly min_p * max_prob.
@@ -164,8 +166,8 @@ def _top_k_top_p_threshold(
     width = descending.shape[-1]
     kth = jnp.take_along_axis(descending, (jnp.clip(batch.top_k, 1, width) - 1)[:, None], axis=-1)[:, 0]
     kth = jnp.where(top_k_on, kth, -jnp.inf)
-    # top-p renormalises over the tokens top-k keeps. Their total mass comes from the whole row; the tokens
-    # past them rank below them and so cannot change a cumulative sum before the k-th token.
+    # top-p renormalises over the tokens top-k keeps, so their total comes from the whole row. The tokens
+    # past them need no masking: they come later in descending order, where the mass above is already ~1.
     peak = descending[:, :1]
     total = jnp.sum(jnp.where(scaled >= kth[:, None], jnp.exp(scaled - peak), 0.0), axis=-1, keepdims=True)
     probs = jnp.exp(descending - peak) / total
