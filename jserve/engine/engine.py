@@ -15,6 +15,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.output_processor import OutputProcessor
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
+from jserve.engine.sampler import bias_entries
 from jserve.engine.scheduler import Scheduler
 from jserve.engine.stats import EngineStats
 from jserve.loader import LoadedModel
@@ -85,6 +86,7 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         text = text if text is not None else prompt_text
         params.validate_token_ids(self.model.config.vocab_size)
+        bias_entries(params, tuple(self.eos_ids) + params.stop_token_ids)  # raises now if the bias row overflows
         seeds = [
             params.seed + i if params.seed is not None else int(self._rng.integers(2**31)) for i in range(params.n)
         ]
