@@ -30,8 +30,9 @@ def dense_attention(q, k, v, q_positions, scale, window, soft_cap):
 
 
 # (new query tokens, tokens already cached) per sequence: decode, fresh prefill, chunk continuing
-# mid-page, an empty sequence slot, and a long decode spanning several page blocks.
-SEQUENCES = [(1, 9), (7, 0), (5, 8), (0, 0), (1, 70)]
+# mid-page, an empty sequence slot, a long decode spanning several page blocks, a chunk of several query
+# blocks continuing mid-page, and a two-token chunk.
+SEQUENCES = [(1, 9), (7, 0), (5, 8), (0, 0), (1, 70), (37, 20), (2, 0)]
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
@@ -39,7 +40,7 @@ SEQUENCES = [(1, 9), (7, 0), (5, 8), (0, 0), (1, 70)]
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
 def test_paged_attention_matches_dense(page_size, heads, kv_heads, window, soft_cap):
     rng = np.random.default_rng(0)
-    dim, num_pages = 16, 64
+    dim, num_pages = 16, 96
     scale = dim**-0.5
     pages = KVPages(*(jnp.asarray(rng.normal(size=(num_pages, page_size, kv_heads, dim)), jnp.float32) for _ in "kv"))
     free = list(rng.permutation(num_pages))
@@ -58,7 +59,7 @@ def test_paged_attention_matches_dense(page_size, heads, kv_heads, window, soft_
         histories.append((k_hist, v_hist))
         queries.append(rng.normal(size=(new, heads, dim)).astype(np.float32))
     num_tokens = sum(n for n, _ in SEQUENCES) + 3  # trailing padding tokens
-    batch = build_model_input(chunks, page_size, num_tokens, len(SEQUENCES) + 1, max_pages=24)
+    batch = build_model_input(chunks, page_size, num_tokens, len(SEQUENCES) + 1, max_pages=32)
     meta = jax.tree.map(jnp.asarray, batch.attention)
     q = np.zeros((num_tokens, heads, dim), np.float32)
     q[: sum(len(x) for x in queries)] = np.concatenate(queries)
