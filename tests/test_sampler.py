@@ -1,5 +1,7 @@
 """The sampler against a float64 numpy reference, its penalty history, and the statistics of its draws."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -334,7 +336,8 @@ def test_draws_follow_the_reference_distribution(params):
 
 
 def test_logprobs_are_the_raw_model_distribution():
-    options = [OPTIONS["everything"], OPTIONS["bias"], (SamplingParams(temperature=0.3), ())]
+    with_logprobs = (SamplingParams(temperature=0.3, logprobs=5), ())
+    options = [OPTIONS["everything"], OPTIONS["bias"], with_logprobs]
     logits = random_logits(5, seed=6)
     rows, batch = rows_for(options)
     out = SAMPLE(logits, batch, history_state())
@@ -346,8 +349,13 @@ def test_logprobs_are_the_raw_model_distribution():
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(raw, order, -1), rtol=1e-5, atol=1e-5)
 
 
+def test_top_alternatives_are_skipped_when_no_row_wants_them():
+    out = SAMPLE(random_logits(5, seed=7), rows_for([OPTIONS["bias"]] * 3)[1], history_state())
+    assert (np.asarray(out.top_ids) == -1).all() and np.isneginf(out.top_logprobs).all()
+
+
 def test_top_logprobs_past_a_tiny_vocabulary_are_padding():
-    out = draw([3.0, 2.0, 1.0, 0.0, -1.0, -2.0], SamplingParams(), 2)
+    out = draw([3.0, 2.0, 1.0, 0.0, -1.0, -2.0], SamplingParams(logprobs=3), 2)
     assert out.top_ids.shape == (2, MAX_LOGPROBS) and out.top_logprobs.shape == (2, MAX_LOGPROBS)
     np.testing.assert_array_equal(out.top_ids[:, :6], [[0, 1, 2, 3, 4, 5]] * 2)
     assert (out.top_ids[:, 6:] == -1).all() and np.isneginf(out.top_logprobs[:, 6:]).all()
@@ -364,7 +372,8 @@ def test_suppressed_ids_are_never_drawn_even_when_by_far_the_likeliest():
 def test_padding_rows_stay_finite_and_do_not_disturb_real_rows():
     logits = random_logits(4, seed=7)
     garbage = np.array([[0.0] * VOCAB, [1e30] * VOCAB, [-1e30] * VOCAB], np.float32)
-    rows, batch = rows_for([OPTIONS["everything"]], num_seqs_pad=3)
+    everything, suppressed = OPTIONS["everything"]
+    rows, batch = rows_for([(dataclasses.replace(everything, logprobs=2), suppressed)], num_seqs_pad=3)
     state = history_state()
     out = SAMPLE(np.concatenate([logits[:1], garbage]), batch, state)
     alone = SAMPLE(logits[:1], build_sampling_batch(rows, 1), state)
