@@ -69,17 +69,17 @@ class SamplingBatch:
     slots: jax.Array  # [S] i32: the PenaltyState row of the sequence
     bias_ids: jax.Array  # [S, BIAS_WIDTH] i32, -1 = unused entry
     bias_values: jax.Array  # [S, BIAS_WIDTH] f32, added to the logit; -inf forbids the token
-    wants_top_logprobs: jax.Array  # [S] bool: the request asked for logprobs, so the top alternatives are needed
+    wants_top_logprobs: jax.Array  # [S] bool: the request asked for logprobs (its token's and the top ones)
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # [S] i32
-    logprobs: jax.Array  # [S] f32: the chosen token's log-prob under the raw model distribution
+    logprobs: jax.Array  # [S] f32: the chosen token's log-prob under the raw model distribution (0 if unasked)
     top_ids: jax.Array  # [S, MAX_LOGPROBS] i32: most likely tokens, descending; -1 past the vocabulary
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32: their raw log-probs; -inf past the vocabulary
-    # (top_ids / top_logprobs are computed only when some row wants them; otherwise -1 / -inf)
+    # (all three are computed only when some row wants logprobs; otherwise 0 / -1 / -inf)
 
 
 @dataclass
@@ -119,28 +119,28 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
 
     perturbed = jax.lax.cond(jnp.all(greedy), lambda x: x, add_gumbel, processed)
     token_ids = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
-    raw = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
 
-    def top_alternatives() -> tuple[jax.Array, jax.Array]:
+    def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        raw = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, raw.shape[-1]))
         missing = MAX_LOGPROBS - top_ids.shape[-1]  # a vocabulary smaller than MAX_LOGPROBS (tiny test models)
         return (
+            jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0],
             jnp.pad(top_ids.astype(jnp.int32), ((0, 0), (0, missing)), constant_values=-1),
             jnp.pad(top_logprobs, ((0, 0), (0, missing)), constant_values=-jnp.inf),
         )
 
-    def none() -> tuple[jax.Array, jax.Array]:
-        rows = raw.shape[0]
-        return jnp.full((rows, MAX_LOGPROBS), -1, jnp.int32), jnp.full((rows, MAX_LOGPROBS), -jnp.inf, jnp.float32)
+    def without() -> tuple[jax.Array, jax.Array, jax.Array]:
+        rows = logits.shape[0]
+        return (
+            jnp.zeros((rows,), jnp.float32),
+            jnp.full((rows, MAX_LOGPROBS), -1, jnp.int32),
+            jnp.full((rows, MAX_LOGPROBS), -jnp.inf, jnp.float32),
+        )
 
-    # A top-k over the whole vocabulary is costly on CPU: skip it when no row asked for logprobs.
-    top_ids, top_logprobs = jax.lax.cond(jnp.any(batch.wants_top_logprobs), top_alternatives, none)
-    return SamplerOutput(
-        token_ids=token_ids,
-        logprobs=jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0],
-        top_ids=top_ids,
-        top_logprobs=top_logprobs,
-    )
+    # A log-softmax and top-k over the whole vocabulary cost real time on CPU: only when some row asked.
+    chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(batch.wants_top_logprobs), with_logprobs, without)
+    return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 def _apply_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
