@@ -53,29 +53,27 @@ def make_workload(args, vocab_size: int) -> Workload:
 
 
 def run_jserve(llm: LLM, work: Workload, static: bool) -> Result:
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in work.output_lens]
+    """All requests arrive at once. Continuous: one generate call. Static: batches of max_num_seqs, each
+    running every row to the batch's longest output (as a padded static batch computes) before the next."""
     stats = llm.engine.stats
     before = (stats.steps, stats.host_s, stats.device_s)
-    start = time.perf_counter()
-    if static:
-        size = llm.engine.config.max_num_seqs
-        outputs = []
-        for i in range(0, len(work.prompts), size):
-            outputs += llm.generate(work.prompts[i : i + size], params[i : i + size], use_tqdm=False)
-    else:
-        outputs = llm.generate(work.prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
-    tpot = [
-        (o.metrics.finish_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-        for o in outputs
-        if len(o.outputs[0].token_ids) > 1
-    ]
+    arrival, start = time.monotonic(), time.perf_counter()
+    size = llm.engine.config.max_num_seqs if static else len(work.prompts)
+    ttft, tpot = [], []
+    for i in range(0, len(work.prompts), size):
+        lens = work.output_lens[i : i + size]
+        run_lens = [max(lens)] * len(lens) if static else lens
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in run_lens]
+        for out, wanted in zip(llm.generate(work.prompts[i : i + size], params, use_tqdm=False), lens, strict=True):
+            m = out.metrics
+            ttft.append(m.first_token_time - arrival)
+            if wanted > 1:  # a static batch answers when its longest row is done
+                tpot.append((m.finish_time - m.first_token_time) / (wanted - 1))
     return Result(
         "jserve static" if static else "jserve continuous",
-        seconds,
+        time.perf_counter() - start,
         sum(map(len, work.prompts)),
-        sum(len(o.outputs[0].token_ids) for o in outputs),
+        sum(work.output_lens),  # useful tokens only: a static batch's padding rows do not count
         ttft,
         tpot,
         stats.steps - before[0],
