@@ -20,3 +20,16 @@ def test_bad_model_path_is_one_clear_error(tmp_path):
     assert done.returncode == 1
     assert "does not exist" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_chat_keeps_the_conversation(smollm2_gguf_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "jserve", "chat", "--max-tokens", "24", "--max-model-len", "512",
+         "--max-num-batched-tokens", "64", "--max-num-seqs", "4"],
+        input="What is the capital of France?\nAnd of Italy?\n",
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    replies = [line for line in done.stdout.splitlines() if line.strip()]
+    assert "Paris" in replies[0]
+    assert "Rome" in done.stdout  # the second turn saw the first
