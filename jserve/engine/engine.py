@@ -178,13 +178,11 @@ class LLMEngine:
                     finish = ("abort", None)
                 if finish is not None:
                     self.scheduler.finish(request, *finish)
-                    request.finish_time = now
             stats.steps += 1
             stats.host_s += time.perf_counter() - processing
             pool = self.scheduler.pool
-            stats.maybe_log(
-                len(self.scheduler.running), len(self.scheduler.waiting), 1 - pool.num_free / pool.num_pages
-            )
+            running = len(self.scheduler.running)
+            stats.maybe_log(running, self.scheduler.num_unfinished - running, 1 - pool.num_free / pool.num_pages)
         results = [self._output(self.parents[pid]) for pid in changed]
         for out in results:
             if out.finished:

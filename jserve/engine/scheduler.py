@@ -13,6 +13,7 @@ import bisect
 import heapq
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +110,7 @@ class Scheduler:
             self.running.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason, stop_reason
+        request.finish_time = time.monotonic()
 
     def _admit(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING
