@@ -144,6 +144,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.pool.release(request.pages)
+        # Entries past a request's pages are masked in attention but still gathered: pointing them all at
+        # page 0 keeps those reads in cache instead of fetching a stale page from memory.
+        self.page_table[request.slot, : len(request.pages)] = 0
         request.pages = np.zeros(0, np.int32)
         self.free_slots.append(request.slot)
         request.slot = -1
