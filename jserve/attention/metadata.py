@@ -55,27 +55,36 @@ def build_model_input(
     Logits come back for each chunk's last token (or every real token with all_logits); padding rows of
     logits_indices point at token 0 and are to be ignored.
     """
+    n = len(chunks)
     lens = np.array([len(c.token_ids) for c in chunks], np.int32)
-    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    if starts[-1] > num_tokens or len(chunks) > num_seqs:
-        raise ValueError(f"{starts[-1]} tokens in {len(chunks)} sequences exceed the bucket ({num_tokens}, {num_seqs})")
-    ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slots = np.full(num_tokens, PAD_SLOT, np.int32)
+    cu = np.zeros(n + 1, np.int32)
+    np.cumsum(lens, out=cu[1:])
+    total = int(cu[-1])
+    if total > num_tokens or n > num_seqs:
+        raise ValueError(f"{total} tokens in {n} sequences exceed the bucket ({num_tokens}, {num_seqs})")
     page_tables = np.zeros((num_seqs, max_pages), np.int32)
-    context_lens = np.zeros(num_seqs, np.int32)
-    for i, chunk in enumerate(chunks):
-        span = slice(starts[i], starts[i + 1])
-        pos = np.arange(chunk.start_pos, chunk.start_pos + lens[i], dtype=np.int32)
-        ids[span], positions[span] = chunk.token_ids, pos
-        slots[span] = chunk.pages[pos // page_size] * page_size + pos % page_size
+    for i, chunk in enumerate(chunks):  # per sequence; everything per token below is vectorised
         page_tables[i, : len(chunk.pages)] = chunk.pages
-        context_lens[i] = chunk.start_pos + lens[i]
-    query_start_loc = np.full(num_seqs + 1, starts[-1], np.int32)
-    query_start_loc[: len(starts)] = starts
-    logits_indices = np.arange(starts[-1], dtype=np.int32) if all_logits else np.zeros(num_seqs, np.int32)
-    if not all_logits:
-        logits_indices[: len(chunks)] = starts[1:] - 1
+    starts = np.array([c.start_pos for c in chunks], np.int32)
+    seq_of_token = np.repeat(np.arange(n), lens)
+    real_pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - cu[seq_of_token]
+
+    ids = np.zeros(num_tokens, np.int32)
+    if n:
+        ids[:total] = np.concatenate([c.token_ids for c in chunks])
+    positions = np.zeros(num_tokens, np.int32)
+    positions[:total] = real_pos
+    slots = np.full(num_tokens, PAD_SLOT, np.int32)
+    slots[:total] = page_tables[seq_of_token, real_pos // page_size] * page_size + real_pos % page_size
+    context_lens = np.zeros(num_seqs, np.int32)
+    context_lens[:n] = starts + lens
+    query_start_loc = np.full(num_seqs + 1, total, np.int32)
+    query_start_loc[: n + 1] = cu
+    if all_logits:
+        logits_indices = np.arange(total, dtype=np.int32)
+    else:
+        logits_indices = np.zeros(num_seqs, np.int32)
+        logits_indices[:n] = cu[1:] - 1
     return ModelInput(
         token_ids=ids,
         attention=AttentionMetadata(positions, slots, page_tables, context_lens, query_start_loc),

@@ -51,7 +51,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.scheduler = Scheduler(config)
-        self.runner = ModelRunner(model, config, self.scheduler.page_table, self.eos_ids)
+        self.runner = ModelRunner(model, config, self.eos_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.parents: dict[str, ParentRequest] = {}
         self._rng = np.random.default_rng(config.seed)

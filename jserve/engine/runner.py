@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jserve.attention import PAD_SLOT, AttentionMetadata, ModelInput, allocate_kv_cache
+from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
 from jserve.engine.config import EngineConfig
 from jserve.engine.sampler import SamplerOutput, SamplingRow, build_sampling_batch, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence
@@ -26,9 +26,8 @@ log = logging.getLogger("jserve")
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, page_table: np.ndarray, stop_ids: frozenset[int]):
+    def __init__(self, model: LoadedModel, config: EngineConfig, stop_ids: frozenset[int]):
         self.model, self.config = model, config
-        self.page_table = page_table  # the scheduler's, by slot
         self.stop_ids = stop_ids
         self.kv_cache = allocate_kv_cache(model.config, config.num_pages, config.page_size, model.dtype)
         self.penalty_state = init_penalty_state(config.max_num_seqs, model.config.vocab_size)
@@ -74,52 +73,29 @@ class ModelRunner:
         """Host arrays for a step, padded to `bucket` tokens and its sequence count (vectorised numpy)."""
         cfg = self.config
         num_seqs = cfg.seq_bucket(bucket)
+        chunks = [
+            SequenceChunk(s.request.token_buffer[s.start : s.start + s.num_tokens], s.start, s.request.pages)
+            for s in sequences
+        ]
+        model = build_model_input(chunks, cfg.page_size, bucket, num_seqs, cfg.max_pages_per_seq)
+
         n = len(sequences)
         lens = np.array([s.num_tokens for s in sequences], np.int32)
-        starts = np.array([s.start for s in sequences], np.int32)
         slots = np.array([s.request.slot for s in sequences], np.int32)
         prompt_lens = np.array([s.request.num_prompt_tokens for s in sequences], np.int32)
-        cu = np.zeros(n + 1, np.int32)
-        np.cumsum(lens, out=cu[1:])
-        total = int(cu[-1])
-
         seq_of_token = np.repeat(np.arange(n), lens)
-        positions = np.zeros(bucket, np.int32)
-        positions[:total] = starts[seq_of_token] + np.arange(total) - cu[seq_of_token]
-        token_ids = np.zeros(bucket, np.int32)
-        if n:
-            token_ids[:total] = np.concatenate(
-                [s.request.token_buffer[s.start : s.start + s.num_tokens] for s in sequences]
-            )
-        page_tables = np.zeros((num_seqs, cfg.max_pages_per_seq), np.int32)
-        page_tables[:n] = self.page_table[slots]
-        slot_mapping = np.full(bucket, PAD_SLOT, np.int32)
-        real_pos = positions[:total]
-        slot_mapping[:total] = (
-            page_tables[seq_of_token, real_pos // cfg.page_size] * cfg.page_size + real_pos % cfg.page_size
-        )
-        query_start_loc = np.full(num_seqs + 1, total, np.int32)
-        query_start_loc[: n + 1] = cu
-        context_lens = np.zeros(num_seqs, np.int32)
-        context_lens[:n] = starts + lens
-        logits_indices = np.zeros(num_seqs, np.int32)
-        logits_indices[:n] = cu[1:] - 1
-
+        total = len(seq_of_token)
         token_slots = np.zeros(bucket, np.int32)
         token_slots[:total] = slots[seq_of_token]
         is_output = np.zeros(bucket, bool)
-        is_output[:total] = real_pos >= prompt_lens[seq_of_token]
+        is_output[:total] = model.attention.positions[:total] >= prompt_lens[seq_of_token]
         padded_slots = np.zeros(num_seqs, np.int32)
         padded_slots[:n] = slots
         reset = np.zeros(num_seqs, bool)
-        reset[:n] = starts == 0
+        reset[:n] = [s.start == 0 for s in sequences]
 
         return StepInput(
-            model=ModelInput(
-                token_ids=token_ids,
-                attention=AttentionMetadata(positions, slot_mapping, page_tables, context_lens, query_start_loc),
-                logits_indices=logits_indices,
-            ),
+            model=model,
             sampling=build_sampling_batch([self._sampling_row(s) for s in sequences], num_seqs),
             penalties=PenaltyUpdate(token_slots, is_output, np.arange(bucket) < total, padded_slots, reset),
         )

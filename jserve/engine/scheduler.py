@@ -54,8 +54,6 @@ class Scheduler:
         self.waiting: list[tuple[int, int, int, Request]] = []  # heap by (priority, arrival, completion index)
         self.running: list[Request] = []  # sorted by (priority, admit order): the last is preempted first
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
-        # Row per slot: the pages of the request in that slot, for the runner to gather.
-        self.page_table = np.zeros((config.max_num_seqs, config.max_pages_per_seq), np.int32)
         self._admissions = itertools.count()
 
     @property
@@ -128,9 +126,7 @@ class Scheduler:
             return True
         if needed > self.pool.num_free:
             return False
-        new = self.pool.allocate(needed)
-        self.page_table[request.slot, len(request.pages) : len(request.pages) + needed] = new
-        request.pages = np.concatenate([request.pages, new])
+        request.pages = np.concatenate([request.pages, self.pool.allocate(needed)])
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -144,9 +140,6 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.pool.release(request.pages)
-        # Entries past a request's pages are masked in attention but still gathered: pointing them all at
-        # page 0 keeps those reads in cache instead of fetching a stale page from memory.
-        self.page_table[request.slot, : len(request.pages)] = 0
         request.pages = np.zeros(0, np.int32)
         self.free_slots.append(request.slot)
         request.slot = -1
