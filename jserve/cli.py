@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 
+from jserve.engine.args import DTYPES, EngineArgs
 from jserve.errors import JServeError
 
 log = logging.getLogger("jserve")
-
-DTYPES = ["auto", "float32", "bfloat16"]
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file, HF folder or hub id in the local cache, jserve "
-                        "folder (default: SmolLM2-135M-Instruct)")  # fmt: skip
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -46,16 +30,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def build_llm(args: argparse.Namespace):
     from jserve.llm import LLM
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        page_size=args.page_size,
-        kv_cache_memory=args.kv_cache_memory,
-        seed=args.seed,
-    )
+    return LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
 
 
 def sampling_params(args: argparse.Namespace):
@@ -126,6 +101,25 @@ def cmd_convert(args: argparse.Namespace) -> None:
     log.info("Wrote %s in %.1fs", args.dst, time.perf_counter() - start)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from jserve.loader.default_model import DEFAULT_MODEL_NAME
+    from jserve.server import ServerSettings, serve
+
+    template = args.chat_template
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or (str(args.model) if args.model else DEFAULT_MODEL_NAME),
+        api_key=args.api_key or os.environ.get("JSERVE_API_KEY"),
+        max_queue=args.max_queue,
+        chat_template=template,
+    )
+    return serve(EngineArgs.from_cli_args(args), settings, args.host, args.port, args.shutdown_timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description="LLM inference on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,15 +127,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="reply to one prompt, streamed to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    for add in (add_model_args, add_engine_args, add_sampling_args):
+    for add in (EngineArgs.add_cli_args, add_sampling_args):
         add(gen)
     gen.set_defaults(run=cmd_generate)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
-    for add in (add_model_args, add_engine_args, add_sampling_args):
+    for add in (EngineArgs.add_cli_args, add_sampling_args):
         add(chat)
     chat.set_defaults(run=cmd_chat)
+
+    srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    srv.add_argument("model", nargs="?", default=None, help="GGUF file, HF folder or hub id in the local cache, "
+                     "jserve folder (default: SmolLM2-135M-Instruct)")  # fmt: skip
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set JSERVE_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    srv.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond which new ones get 429")
+    srv.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds a stop signal waits for requests in flight before aborting them")  # fmt: skip
+    EngineArgs.add_cli_args(srv, model_flag=False)
+    srv.set_defaults(run=cmd_serve)
 
     conv = sub.add_parser("convert", help="write a model as a jserve Orbax checkpoint, which loads faster")
     conv.add_argument("src", help="GGUF file, HF folder or jserve folder")
@@ -158,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     log.addHandler(handler)  # jserve's own log only; JAX's backend probing stays quiet
     log.setLevel(logging.INFO)
     try:
-        args.run(args)
+        code = args.run(args)
     except (JServeError, FileExistsError, ValueError) as err:
         log.error("%s", err)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

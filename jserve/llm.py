@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
 
-import jax
 from tqdm.auto import tqdm
 
-from jserve.engine.config import resolve_engine_config
-from jserve.engine.engine import LLMEngine
-from jserve.loader import load_model
-from jserve.loader.default_model import cache_dir
+from jserve.engine.args import EngineArgs
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 
-log = logging.getLogger("jserve")
-
 Prompt = str | list[int]
 Messages = list[dict]
-
-
-def enable_compilation_cache() -> None:
-    """Persist compiled steps across runs (unless the user chose a cache dir already)."""
-    if not jax.config.jax_compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
 
 
 class LLM:
@@ -46,26 +33,19 @@ class LLM:
         tensor_parallel_size: int = 1,
         seed: int = 0,
     ):
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not available yet (tensor parallelism is issue #7)")
-        start = time.perf_counter()
-        enable_compilation_cache()
-        loaded = load_model(model, dtype=dtype)
-        config = resolve_engine_config(
-            loaded.config,
-            loaded.dtype,
+        self.engine = EngineArgs(
+            model=model,
+            dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             page_size=page_size,
             kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size,
             seed=seed,
-        )
-        if enable_prefix_caching:
-            log.info("Prefix caching is not implemented yet (issue #5); every prompt is computed in full")
-        self.engine = LLMEngine(loaded, config)
-        self.tokenizer = loaded.tokenizer
-        log.info("Engine ready in %.1fs", time.perf_counter() - start)
+        ).create_engine()
+        self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):
         return self.tokenizer

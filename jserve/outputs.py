@@ -19,9 +19,14 @@ SampleLogprobs = list[dict[int, Logprob]]
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None  # first admitted to the running batch
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def time_to_first_token(self) -> float | None:

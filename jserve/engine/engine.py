@@ -205,10 +205,12 @@ class LLMEngine:
                     stop_reason=child.stop_reason,
                 )
             )
+        scheduled = [c.first_scheduled_time for c in parent.children if c.first_scheduled_time is not None]
         first_tokens = [c.first_token_time for c in parent.children if c.first_token_time is not None]
         finishes = [c.finish_time for c in parent.children if c.finish_time is not None]
         metrics = RequestMetrics(
             arrival_time=min(c.arrival_time for c in parent.children),
+            first_scheduled_time=min(scheduled, default=None),
             first_token_time=min(first_tokens, default=None),
             finish_time=max(finishes, default=None) if parent.finished else None,
             num_preemptions=sum(c.num_preemptions for c in parent.children),

@@ -46,6 +46,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -97,7 +97,21 @@ class Scheduler:
             self._reserve_pages(request, request.num_computed_tokens + n)
             scheduled.append(ScheduledSequence(request, request.num_computed_tokens, n))
             budget -= n
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(self._fit_to_bucket(scheduled), preempted)
+
+    def _fit_to_bucket(self, scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """Padded tokens cost as much as real ones, so a last prefill chunk that spills just past a token
+        bucket is cut back to that bucket's edge when it keeps at least half its tokens; the rest then
+        fills the padding of a following (usually decode-only) step."""
+        if not scheduled:
+            return scheduled
+        last = scheduled[-1]
+        total = sum(s.num_tokens for s in scheduled)
+        edge = max((b for b in self.config.token_buckets if b < total), default=0)
+        keep = last.num_tokens - (total - edge)
+        if last.request.num_computed_tokens >= last.request.num_prompt_tokens or 2 * keep < last.num_tokens:
+            return scheduled  # a decode, or too little would be left
+        return [*scheduled[:-1], ScheduledSequence(last.request, last.start, keep)]
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is; its pages and slot return to the pools."""
@@ -114,6 +128,8 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.slot = self.free_slots.pop()
         request.admit_index = next(self._admissions)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         keys = [(r.priority, r.admit_index) for r in self.running]
         self.running.insert(bisect.bisect(keys, (request.priority, request.admit_index)), request)
 

@@ -19,6 +19,8 @@ class EngineStats:
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
     generated_tokens: int = 0
     preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (issue #5)
+    prefix_cache_hits: int = 0  # of those, tokens found cached
     _last_log: float = field(default_factory=time.monotonic, repr=False)
     _last_counts: tuple[int, int] = (0, 0)
 

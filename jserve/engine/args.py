@@ -1,0 +1,83 @@
+"""EngineArgs: every setting an engine is built from, shared by `LLM`, the CLI and the server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import dataclass, fields
+
+import jax
+
+from jserve.engine.config import resolve_engine_config
+from jserve.engine.engine import LLMEngine
+from jserve.loader import load_model
+from jserve.loader.default_model import cache_dir
+
+log = logging.getLogger("jserve")
+
+DTYPES = ["auto", "float32", "bfloat16"]
+
+
+def enable_compilation_cache() -> None:
+    """Persist compiled steps across runs (unless the user chose a cache dir already)."""
+    if not jax.config.jax_compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | os.PathLike | None = None  # None = the default model, SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    page_size: int = 16
+    kv_cache_memory: int | None = None  # bytes
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    def create_engine(self) -> LLMEngine:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not available yet (tensor parallelism is issue #7)")
+        start = time.perf_counter()
+        enable_compilation_cache()
+        loaded = load_model(self.model, dtype=self.dtype)
+        config = resolve_engine_config(
+            loaded.config,
+            loaded.dtype,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            page_size=self.page_size,
+            kv_cache_memory=self.kv_cache_memory,
+            seed=self.seed,
+        )
+        if self.enable_prefix_caching:
+            log.info("Prefix caching is not implemented yet (issue #5); every prompt is computed in full")
+        engine = LLMEngine(loaded, config)
+        log.info("Engine ready in %.1fs", time.perf_counter() - start)
+        return engine
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+        """Engine flags, named as vLLM names them (`serve` takes the model as a positional argument)."""
+        if model_flag:
+            parser.add_argument("--model", default=None, help="GGUF file, HF folder or hub id in the local cache, "
+                                "jserve folder (default: SmolLM2-135M-Instruct)")  # fmt: skip
+        parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 elsewhere")
+        parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
+        parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (CPU 64, else 256)")
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                            help="token budget per step (CPU 512, else 2048)")  # fmt: skip
+        parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+        parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        parser.add_argument("--tensor-parallel-size", type=int, default=1)
+        parser.add_argument("--seed", type=int, default=0)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

@@ -1,0 +1,273 @@
+"""The Starlette app: OpenAI-compatible routes over an AsyncEngine, with auth, size limits and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+import jserve
+from jserve.engine.args import EngineArgs
+from jserve.server.async_engine import AsyncEngine, EngineError, EngineState, PromptInput, Submission
+from jserve.server.errors import APIError, bad_request
+from jserve.server.metrics import ServerMetrics
+from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion
+from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
+
+UNPROTECTED_PATHS = {"/health", "/metrics", "/version"}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_queue: int = 1024  # requests accepted but not yet generating; beyond it new ones get 429
+    max_body_bytes: int = 16 << 20
+    chat_template: str | None = None  # overrides the checkpoint's
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings):
+        self.engine, self.settings = engine, settings
+        self.created = int(time.time())
+
+    # --- routes ----------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        gen = parse_completion(await self._read_json(request))
+        self._check_model(gen.model)
+        prompts = await run_in_threadpool(self._completion_prompts, gen)
+        echo = [p.text or "" for p in prompts] if gen.echo else None
+        builder = CompletionResponses(self.settings.served_model_name, gen.params.n, echo_texts=echo)
+        return await self._generate(request, gen, prompts, builder)
+
+    async def chat_completions(self, request: Request) -> Response:
+        gen = parse_chat(await self._read_json(request))
+        self._check_model(gen.model)
+        prompts = [await run_in_threadpool(self._chat_prompt, gen.messages, gen.add_generation_prompt)]
+        builder = ChatResponses(self.settings.served_model_name, gen.params.n, top_logprobs=gen.params.logprobs or 0)
+        return await self._generate(request, gen, prompts, builder)
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        name = self.settings.served_model_name
+        root = str(self.engine.args.model or name)
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "jserve", "root": root}
+        if self.engine.engine is not None:
+            card["max_model_len"] = self.engine.engine.config.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        state = self.engine.state
+        status = 200 if state is EngineState.READY else 503
+        return JSONResponse({"status": state.value}, status_code=status)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": jserve.__version__})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        self._check_model(body.get("model"))
+        if "messages" in body:
+            chat = parse_chat({"messages": body["messages"]})
+            add = body.get("add_generation_prompt", True)
+            prompt = await run_in_threadpool(self._chat_prompt, chat.messages, add)
+            tokens = prompt.token_ids
+        elif isinstance(body.get("prompt"), str):
+            add_special = body.get("add_special_tokens", True)
+            tokens = await run_in_threadpool(self.engine.tokenizer.encode, body["prompt"], bool(add_special))
+        else:
+            raise bad_request("tokenize takes a prompt string or chat messages", "prompt")
+        max_len = self.engine.engine.config.max_model_len
+        return JSONResponse({"count": len(tokens), "max_model_len": max_len, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        self._check_model(body.get("model"))
+        tokens = body.get("tokens")
+        vocab = self.engine.engine.model.config.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+            raise bad_request(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": await run_in_threadpool(self.engine.tokenizer.decode, tokens)})
+
+    # --- generation ------------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, gen: GenerationRequest, prompts: list[PromptInput],
+                        builder: ResponseBuilder) -> Response:  # fmt: skip
+        if self.engine.num_queued + len(prompts) > self.settings.max_queue:
+            raise APIError(429, f"the queue is full ({self.settings.max_queue} requests waiting); retry later")
+        try:
+            submission = await self.engine.submit(prompts, gen.params, gen.priority)
+        except ValueError as err:
+            raise bad_request(str(err), "prompt" if str(err).startswith("prompt") else None) from None
+        if gen.stream:
+            return StreamingResponse(self._stream(submission, builder, gen), media_type="text/event-stream")
+        return await self._respond(request, submission, builder)
+
+    async def _respond(self, request: Request, submission: Submission, builder: ResponseBuilder) -> Response:
+        """Wait for the whole result, aborting it if the client goes away first."""
+        results = asyncio.ensure_future(submission.results())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not results.done():
+                return Response(status_code=499)  # nobody is listening; the request is aborted below
+            try:
+                return JSONResponse(builder.response(results.result()))
+            except EngineError as err:
+                raise APIError(500, str(err)) from None
+        finally:
+            for task in (results, gone):
+                task.cancel()
+            submission.abort()
+
+    async def _stream(self, submission: Submission, builder: ResponseBuilder, gen: GenerationRequest):
+        """Server-sent events; Starlette cancels this generator when the client disconnects."""
+        try:
+            if isinstance(builder, ChatResponses):
+                yield _sse(_with_usage(builder.role_chunk(gen.num_prompts), gen))
+            async for out in submission:
+                for chunk in builder.chunks(submission.prompt_index(out), out):
+                    yield _sse(_with_usage(chunk, gen))
+            if gen.include_usage:
+                yield _sse(builder.usage_chunk())
+        except EngineError as err:
+            yield _sse(APIError(500, str(err)).to_dict())
+        finally:
+            submission.abort()
+        yield "data: [DONE]\n\n"
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _completion_prompts(self, gen: GenerationRequest) -> list[PromptInput]:
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for prompt in gen.prompts:
+            if isinstance(prompt, str):
+                prompts.append(PromptInput(tokenizer.encode(prompt), prompt))
+            else:
+                prompts.append(PromptInput(prompt, tokenizer.decode(prompt) if gen.echo else None))
+        return prompts
+
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> PromptInput:
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as err:
+            raise bad_request(str(err), "messages") from None
+        return PromptInput(tokenizer.encode(text, add_special_tokens=False), text)  # the template wrote any BOS
+
+    async def _read_json(self, request: Request) -> dict:
+        self._authorize(request)
+        limit = self.settings.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"the request body is {length} bytes, more than the limit of {limit}")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise APIError(413, f"the request body is more than the limit of {limit} bytes")
+        try:
+            data = json.loads(body)
+        except ValueError as err:
+            raise bad_request(f"the request body is not valid JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        return data
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None or request.url.path in UNPROTECTED_PATHS:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")  # fmt: skip
+
+    def _check_model(self, model: str | None) -> None:
+        self._check_ready()
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                           f"'{self.settings.served_model_name}'", "model", "model_not_found")  # fmt: skip
+
+    def _check_ready(self) -> None:
+        state = self.engine.state
+        if state is not EngineState.READY:
+            reason = {EngineState.LOADING: "the model is still loading", EngineState.DRAINING: "the server is "
+                      "shutting down"}.get(state, "the engine is not running")  # fmt: skip
+            raise APIError(503, reason)
+
+
+def _with_usage(chunk: dict, gen: GenerationRequest) -> dict:
+    """With include_usage, OpenAI puts "usage": null on every chunk before the final usage chunk."""
+    return chunk | {"usage": None} if gen.include_usage else chunk
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _api_error(request: Request, err: APIError) -> Response:
+    return err.response()
+
+
+async def _http_error(request: Request, err: HTTPException) -> Response:
+    message = {404: f"no route {request.method} {request.url.path}", 405: f"method {request.method} not allowed"}
+    return APIError(err.status_code, message.get(err.status_code, str(err.detail))).response()
+
+
+async def _client_gone(request: Request, err: ClientDisconnect) -> Response:
+    return Response(status_code=499)  # nobody reads it; nothing was queued
+
+
+async def _server_error(request: Request, err: Exception) -> Response:
+    return APIError(500, f"internal error: {type(err).__name__}: {err}").response()
+
+
+def build_app(engine_args: EngineArgs, settings: ServerSettings) -> Starlette:
+    """The app, with its engine (started on app start-up, stopped on shutdown) at `app.state.engine`."""
+    engine = AsyncEngine(engine_args, ServerMetrics(settings.served_model_name), settings.chat_template)
+    server = OpenAIServer(engine, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine.start()
+        yield
+        engine.begin_drain()
+        await run_in_threadpool(engine.shutdown)
+
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/version", server.version, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+    ]
+    handlers = {APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
+                Exception: _server_error}  # fmt: skip
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app.state.engine = engine
+    return app

@@ -1,0 +1,241 @@
+"""AsyncEngine: the LLMEngine in one background thread, fed by asyncio handlers.
+
+Handlers never touch the engine: they put commands (add, abort, stop) on a thread-safe queue, and the
+engine thread hands outputs back to the event loop with `call_soon_threadsafe`, one batch per step.
+The thread also loads the model, so the server answers /health (503) while that happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from jserve.engine.args import EngineArgs
+from jserve.engine.engine import LLMEngine
+from jserve.outputs import RequestOutput
+from jserve.sampling_params import SamplingParams
+from jserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("jserve")
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"  # shutting down: finishing what is in flight, taking nothing new
+    FAILED = "failed"  # the model did not load
+    STOPPED = "stopped"
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request (not the request's fault)."""
+
+
+@dataclass
+class PromptInput:
+    token_ids: list[int]
+    text: str | None  # shown in outputs (echo); None for token-id prompts
+
+
+class Submission:
+    """The engine requests of one HTTP call (one per prompt), read from the event loop as they progress."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
+        self.engine, self.request_ids = engine, request_ids
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.unstarted = set(request_ids)  # no output yet: counted as queued for --max-queue
+        self.latest: dict[str, RequestOutput] = {}
+        self.closed = False
+
+    def prompt_index(self, out: RequestOutput) -> int:
+        return self.request_ids.index(out.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Every output as it comes, until all this call's requests have finished."""
+        pending = set(self.request_ids)
+        while pending:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            self.latest[item.request_id] = item
+            if item.finished:
+                pending.discard(item.request_id)
+            yield item
+        self.closed = True
+
+    async def results(self) -> list[RequestOutput]:
+        """The finished outputs, in prompt order."""
+        async for _ in self:
+            pass
+        return [self.latest[i] for i in self.request_ids]
+
+    def abort(self) -> None:
+        """Abort whatever has not finished (a no-op once all have); frees their KV pages within a step."""
+        if not self.closed:
+            self.closed = True
+            self.engine.forget(self)
+            self.engine.commands.put(("abort", self.request_ids))
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, RequestOutput):
+            self.unstarted.discard(item.request_id)
+        self.queue.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs, metrics: ServerMetrics, chat_template: str | None = None,
+                 on_failure: Callable[[], None] | None = None):  # fmt: skip
+        self.args, self.metrics = args, metrics
+        self.chat_template = chat_template
+        self.on_failure = on_failure
+        self.state = EngineState.LOADING
+        self.engine: LLMEngine | None = None
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.submissions: set[Submission] = set()  # event-loop side: open submissions
+        self._routes: dict[str, Submission] = {}  # engine-thread side: request id -> its submission
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="jserve-engine", daemon=True)
+
+    # --- event-loop side -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted but not yet producing output."""
+        return sum(len(s.unstarted) for s in self.submissions)
+
+    async def submit(self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0) -> Submission:
+        """Queue one engine request per prompt; raises ValueError (the engine's validation) if any is bad,
+        in which case none is queued."""
+        prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        submission = Submission(self, [f"{prefix}-{i}" for i in range(len(prompts))])
+        accepted = submission.loop.create_future()
+        self.submissions.add(submission)
+        self.commands.put(("add", submission, prompts, params, priority, accepted))
+        try:
+            await accepted
+        except BaseException:  # refused, or the client left while it was being queued
+            submission.abort()
+            raise
+        return submission
+
+    def forget(self, submission: Submission) -> None:
+        self.submissions.discard(submission)
+
+    def begin_drain(self) -> None:
+        if self.state is EngineState.READY:
+            self.state = EngineState.DRAINING
+            log.info("Draining: finishing %d requests in flight, accepting no new ones", len(self.submissions))
+
+    def shutdown(self) -> None:
+        """Abort what is still running and stop the engine thread."""
+        self.commands.put(("stop",))
+        self._thread.join(timeout=60)
+        self.state = EngineState.STOPPED
+
+    # --- engine-thread side ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self.args.create_engine()
+            if self.chat_template is not None:
+                self.engine.tokenizer.chat_template = self.chat_template
+        except BaseException:
+            log.exception("The model failed to load")
+            self.state = EngineState.FAILED
+            if self.on_failure is not None:
+                self.on_failure()
+            return
+        if self.state is EngineState.LOADING:
+            self.state = EngineState.READY
+        engine = self.engine
+        while True:
+            if not self._take_commands(block=not engine.has_unfinished_requests()):
+                break
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as err:  # a bug, not a request's fault: fail what is in flight, keep serving
+                log.exception("Engine step failed; failing the %d requests in flight", len(self._routes))
+                self._fail_all(EngineError(f"engine step failed: {err}"))
+                continue
+            self._deliver(outputs)
+        self._fail_all(EngineError("the server is shutting down"))
+
+    def _take_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once told to stop."""
+        while True:
+            try:
+                command = self.commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command[0] == "stop":
+                return False
+            if command[0] == "abort":
+                for request_id in command[1]:
+                    self.engine.abort_request(request_id)
+                    self._routes.pop(request_id, None)
+            else:
+                self._add(*command[1:])
+
+    def _add(self, submission: Submission, prompts: list[PromptInput], params, priority, accepted) -> None:
+        added: list[str] = []
+        try:
+            for request_id, prompt in zip(submission.request_ids, prompts, strict=True):
+                self.engine.add_request(prompt.token_ids, params, request_id, priority, prompt_text=prompt.text)
+                added.append(request_id)
+        except Exception as err:  # bad input: withdraw this call's requests, touch nothing else
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            submission.loop.call_soon_threadsafe(_settle, accepted, err)
+            return
+        for request_id in added:
+            self._routes[request_id] = submission
+        submission.loop.call_soon_threadsafe(_settle, accepted, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        batch = []
+        for out in outputs:
+            submission = self._routes.get(out.request_id)
+            if out.finished:
+                self._routes.pop(out.request_id, None)
+            self.metrics.observe_output(out, now)
+            if submission is not None:
+                batch.append((submission, out))
+        self.metrics.observe_step(self.engine)
+        if batch:
+            batch[0][0].loop.call_soon_threadsafe(_deliver_batch, batch)
+
+    def _fail_all(self, err: EngineError) -> None:
+        for request_id, submission in list(self._routes.items()):
+            self.engine.abort_request(request_id)
+            submission.loop.call_soon_threadsafe(submission._deliver, err)
+        self._routes.clear()
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():  # the handler may have been cancelled meanwhile
+        future.set_exception(error) if error is not None else future.set_result(None)
+
+
+def _deliver_batch(batch: list[tuple[Submission, RequestOutput]]) -> None:
+    for submission, out in batch:
+        submission._deliver(out)

@@ -1,0 +1,79 @@
+"""Prometheus metrics under vLLM's names with a `jserve:` prefix, updated by the engine thread after each step."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from jserve.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def make(kind, name, doc, **kwargs):
+            extra = kwargs.pop("labelnames", ())
+            metric = kind(f"jserve:{name}", doc, labelnames=("model_name", *extra), registry=self.registry, **kwargs)
+            return metric if extra else metric.labels(**labels)
+
+        self.running = make(Gauge, "num_requests_running", "Requests in the running batch")
+        self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV cache pages in use (0-1)")
+        self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.preemptions = make(Counter, "num_preemptions", "Requests preempted (to be recomputed)")
+        self.prompt_tokens = make(Counter, "prompt_tokens", "Prefill tokens computed")
+        self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
+        success = make(Counter, "request_success", "Completions finished, by reason", labelnames=("finished_reason",))
+        reasons = ("stop", "length", "abort")
+        self.success = {reason: success.labels(finished_reason=reason, **labels) for reason in reasons}
+        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
+        self.itl = make(Histogram, "inter_token_latency_seconds", "Time between tokens of a completion",
+                        buckets=TOKEN_LATENCY_BUCKETS)  # fmt: skip
+        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
+        self.queue_time = make(Histogram, "request_queue_time_seconds", "Arrival to first scheduled",
+                               buckets=LATENCY_BUCKETS)  # fmt: skip
+        self._counted = (0, 0, 0, 0, 0)
+        self._last_token: dict[tuple[str, int], tuple[float, int]] = {}  # (request, completion) -> (time, tokens)
+        self._started: set[str] = set()  # requests whose first token was counted
+
+    def observe_step(self, engine) -> None:
+        scheduler, stats = engine.scheduler, engine.stats
+        running = len(scheduler.running)
+        self.running.set(running)
+        self.waiting.set(scheduler.num_unfinished - running)
+        self.kv_usage.set(1 - scheduler.pool.num_free / scheduler.pool.num_pages)
+        counts = (stats.prompt_tokens, stats.generated_tokens, stats.preemptions, stats.prefix_cache_queries,
+                  stats.prefix_cache_hits)  # fmt: skip
+        counters = (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits)
+        for counter, now, before in zip(counters, counts, self._counted, strict=True):
+            if now > before:
+                counter.inc(now - before)
+        self._counted = counts
+
+    def observe_output(self, out: RequestOutput, now: float) -> None:
+        metrics = out.metrics
+        for completion in out.outputs:
+            key = (out.request_id, completion.index)
+            count = len(completion.token_ids)
+            last_time, last_count = self._last_token.get(key, (None, 0))
+            if count > last_count:
+                if last_time is not None:
+                    self.itl.observe((now - last_time) / (count - last_count))
+                self._last_token[key] = (now, count)
+            if completion.finished:
+                self._last_token.pop(key, None)
+                self.success[completion.finish_reason].inc()
+        if metrics.first_token_time is not None and out.request_id not in self._started:
+            self._started.add(out.request_id)
+            self.ttft.observe(metrics.time_to_first_token)
+        if out.finished:
+            self._started.discard(out.request_id)
+            if metrics.finish_time is not None:
+                self.e2e.observe(metrics.finish_time - metrics.arrival_time)
+            if metrics.queue_time is not None:
+                self.queue_time.observe(metrics.queue_time)

@@ -1,0 +1,175 @@
+"""Read OpenAI request bodies into what the engine takes, refusing every parameter jserve would ignore.
+
+A parameter set to null counts as not given (OpenAI's own reading). Any other parameter outside the
+lists below gets a 400 naming it, so a client never believes it got a feature it did not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jserve.server.errors import bad_request
+
+# Parameters both endpoints take, mapped onto SamplingParams fields of the same name.
+SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
+)  # fmt: skip
+COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", *SAMPLING_FIELDS}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                               "add_generation_prompt"}  # fmt: skip
+CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationRequest:
+    """One /v1/completions or /v1/chat/completions call, validated."""
+
+    model: str | None
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    prompts: list[Prompt] | None = None  # completions
+    echo: bool = False
+    messages: list[dict] | None = None  # chat
+    add_generation_prompt: bool = True
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) if self.prompts is not None else 1
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    body = _given(body, COMPLETION_FIELDS)
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported", "suffix")
+    logprobs = body.get("logprobs")
+    echo = _flag(body, "echo")
+    if echo and logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which jserve does not compute", "echo")
+    request = _common(body, logprobs=logprobs, max_tokens=body.get("max_tokens", 16))
+    request.prompts = _prompts(body.get("prompt"))
+    request.echo = echo
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != request.params.n:
+        raise bad_request(f"best_of must equal n ({request.params.n}); ranking extra samples is not supported",
+                          "best_of")  # fmt: skip
+    return request
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    body = _given(body, CHAT_FIELDS)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
+    top_logprobs = body.get("top_logprobs")
+    wants_logprobs = _flag(body, "logprobs")
+    if top_logprobs is not None and not wants_logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = (top_logprobs or 0) if wants_logprobs else None
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    request = _common(body, logprobs=logprobs, max_tokens=max_tokens)
+    request.messages = _messages(body.get("messages"))
+    request.add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
+    return request
+
+
+def _given(body: object, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    given = {key: value for key, value in body.items() if value is not None}
+    unsupported = sorted(set(given) - allowed)
+    if unsupported:
+        raise bad_request(f"unsupported parameter(s): {', '.join(unsupported)}", unsupported[0])
+    return given
+
+
+def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationRequest:
+    if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > MAX_LOGPROBS:
+        raise bad_request(f"at most {MAX_LOGPROBS} logprobs per token are returned, got {logprobs}", "logprobs")
+    sampling = {name: body[name] for name in SAMPLING_FIELDS if name in body}
+    try:
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **sampling)
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        raise bad_request(message, message.split(" ", 1)[0].split("[", 1)[0]) from None
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise bad_request("stream_options takes only include_usage", "stream_options")
+        include_usage = _flag(options, "include_usage")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise bad_request("priority must be an integer", "priority")
+    return GenerationRequest(model, params, stream, include_usage, priority)
+
+
+def _flag(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt: object) -> list[Prompt]:
+    """str, list of str, token ids, or list of token-id lists."""
+    prompts = None
+    if isinstance(prompt, str) or _is_token_ids(prompt) and prompt:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
+            prompts = list(prompt)
+    if prompts is not None:
+        if not all(prompts):
+            raise bad_request("prompt is empty", "prompt")
+        return prompts
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of such lists",
+                      "prompt")  # fmt: skip
+
+
+def _messages(messages: object) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise bad_request(f"messages[{i}]: unsupported field(s) {', '.join(extra)}", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(message.get("content"), i)})
+    return out
+
+
+def _content(content: object, i: int) -> str:
+    """A string, or a list of text parts joined as one string."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}].content: only text parts are supported, got {part!r:.80}",
+                                  "messages")  # fmt: skip
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")

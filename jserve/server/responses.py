@@ -1,0 +1,168 @@
+"""Engine outputs as OpenAI response bodies: whole responses, and streamed chunks built from deltas.
+
+A choice's index is prompt_index * n + completion index, as OpenAI numbers them. Streamed text comes
+from the engine's incremental detokenizer, which never splits a UTF-8 character and holds back a tail
+that could still become a stop string, so each chunk's text is final.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from jserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class ChoiceProgress:
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+
+
+class ResponseBuilder:
+    """Shared by both endpoints: ids, usage, and per-choice streaming progress."""
+
+    object_name = ""
+    chunk_object_name = ""
+    id_prefix = ""
+
+    def __init__(self, model: str, n: int, top_logprobs: int = 0, echo_texts: list[str] | None = None):
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model, self.n, self.top_logprobs = model, n, top_logprobs
+        self.echo_texts = echo_texts
+        self.progress: dict[int, ChoiceProgress] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens: dict[int, int] = {}
+
+    def usage(self) -> dict:
+        prompt, completion = sum(self.prompt_tokens.values()), sum(self.completion_tokens.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
+        }
+
+    def _record(self, prompt_index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        self.cached_tokens[prompt_index] = out.num_cached_tokens
+        for c in out.outputs:
+            self.completion_tokens[prompt_index * self.n + c.index] = len(c.token_ids)
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for prompt_index, out in enumerate(outputs):
+            self._record(prompt_index, out)
+            for c in out.outputs:
+                echo = self.echo_texts[prompt_index] if self.echo_texts else ""
+                choices.append(self._choice(prompt_index * self.n + c.index, c, echo))
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}  # fmt: skip
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        """Chunks for what `out` adds since the last call: new text, its tokens' logprobs, finish reasons."""
+        self._record(prompt_index, out)
+        chunks = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            progress = self.progress.setdefault(index, ChoiceProgress())
+            if progress.finished:
+                continue
+            first = progress.text_sent == 0 and progress.tokens_sent == 0
+            text = c.text[progress.text_sent :]
+            if not text and not c.finished:
+                continue  # tokens whose text is held back go out with the text they complete
+            echo = self.echo_texts[prompt_index] if self.echo_texts else ""
+            offset = len(echo) + progress.text_sent  # where this chunk's tokens start in the choice's text
+            if first:
+                text = echo + text
+            logprobs = c.logprobs[progress.tokens_sent :] if c.logprobs is not None else None
+            tokens = c.token_ids[progress.tokens_sent :]
+            progress.text_sent, progress.tokens_sent = len(c.text), len(c.token_ids)
+            progress.finished = c.finished
+            chunks.append(self._chunk(index, text, tokens, logprobs, c.finish_reason, offset))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return self._envelope([]) | {"usage": self.usage()}
+
+    def _envelope(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
+
+    def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
+        raise NotImplementedError
+
+    def _chunk(self, index, text, tokens, logprobs, finish_reason, offset) -> dict:
+        raise NotImplementedError
+
+
+class CompletionResponses(ResponseBuilder):
+    object_name = chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
+        logprobs = completion_logprobs(c.token_ids, c.logprobs, len(echo)) if c.logprobs is not None else None
+        return {"index": index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}  # fmt: skip
+
+    def _chunk(self, index, text, tokens, logprobs, finish_reason, offset) -> dict:
+        lp = completion_logprobs(tokens, logprobs, offset) if logprobs is not None else None
+        return self._envelope([{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}])
+
+
+class ChatResponses(ResponseBuilder):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def role_chunk(self, num_prompts: int) -> dict:
+        """Chat streams open with the assistant role for every choice."""
+        return self._envelope([
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(num_prompts * self.n)
+        ])  # fmt: skip
+
+    def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
+        logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs) if c.logprobs is not None else None
+        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+
+    def _chunk(self, index, text, tokens, logprobs, finish_reason, offset) -> dict:
+        lp = chat_logprobs(tokens, logprobs, self.top_logprobs) if logprobs is not None else None
+        delta = {"content": text} if text else {}
+        return self._envelope([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int) -> dict:
+    """The legacy completions shape: parallel lists of tokens, their logprobs, top alternatives, text offsets."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token, entry in zip(token_ids, logprobs, strict=True):
+        chosen = entry[token]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(chosen.logprob)
+        alternatives: dict[str, float] = {}
+        for lp in entry.values():  # distinct ids can decode alike (byte pieces); keep the likelier
+            alternatives.setdefault(lp.decoded_token, lp.logprob)
+        top.append(alternatives)
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:
+    """The chat shape: per token its text, logprob, UTF-8 bytes, and the top_n most likely alternatives."""
+
+    def item(lp: Logprob) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token, entry in zip(token_ids, logprobs, strict=True):
+        top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top_n), key=lambda lp: lp.rank)
+        content.append(item(entry[token]) | {"top_logprobs": [item(lp) for lp in top]})
+    return {"content": content}

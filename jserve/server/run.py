@@ -1,0 +1,44 @@
+"""Run the app under uvicorn: drain on SIGTERM/SIGINT, exit non-zero if the model fails to load."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from jserve.engine.args import EngineArgs
+from jserve.server.app import ServerSettings, build_app
+from jserve.server.async_engine import AsyncEngine, EngineState
+
+log = logging.getLogger("jserve")
+
+
+class DrainingServer(uvicorn.Server):
+    """On a stop signal, /health turns 503 and new requests are refused while those in flight finish."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def serve(engine_args: EngineArgs, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 30.0) -> int:  # fmt: skip
+    """Serve until stopped; returns the process exit code."""
+    app = build_app(engine_args, settings)
+    engine: AsyncEngine = app.state.engine
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout,
+                            access_log=False)  # fmt: skip
+    server = DrainingServer(config, engine)
+
+    def failed() -> None:
+        server.should_exit = True
+
+    engine.on_failure = failed
+    log.info("Serving '%s' on http://%s:%d (loading the model in the background)", settings.served_model_name,
+             host, port)  # fmt: skip
+    server.run()
+    return 1 if engine.state is EngineState.FAILED else 0

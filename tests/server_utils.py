@@ -1,0 +1,77 @@
+"""Start a real jserve server (uvicorn on 127.0.0.1, a free port) in a background thread, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+
+from jserve.engine.args import EngineArgs
+from jserve.server import ServerSettings, build_app
+from jserve.server.async_engine import AsyncEngine
+
+# A minimal chat template for the tiny checkpoints, whose tokenizer has none.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+@dataclass
+class ServerHandle:
+    base_url: str
+    engine: AsyncEngine
+    server: uvicorn.Server
+
+    def metric(self, name: str) -> float:
+        """A metric's value summed over its label sets, read from /metrics."""
+        text = httpx.get(f"{self.base_url}/metrics").text
+        total, found = 0.0, False
+        for line in text.splitlines():
+            if line.startswith(f"jserve:{name}{{") or line.startswith(f"jserve:{name} "):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        assert found, f"metric jserve:{name} not in /metrics"
+        return total
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
+        time.sleep(interval)
+
+
+@contextlib.contextmanager
+def running_server(args: EngineArgs, settings: ServerSettings, load_timeout: float = 300.0):
+    app = build_app(args, settings)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    handle = ServerHandle(f"http://127.0.0.1:{port}", app.state.engine, server)
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{handle.base_url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(ready, load_timeout, interval=0.1)
+        yield handle
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)

@@ -1,0 +1,115 @@
+"""The scheduler alone, on host state: token budget, chunking, bucket fitting, admission, preemption."""
+
+import numpy as np
+
+from jserve import SamplingParams
+from jserve.engine.config import EngineConfig
+from jserve.engine.request import Request, RequestStatus
+from jserve.engine.scheduler import Scheduler
+
+
+def make_scheduler(budget=64, seqs=8, pages=64, page_size=4) -> Scheduler:
+    return Scheduler(EngineConfig(max_model_len=256, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                                  page_size=page_size, num_pages=pages))  # fmt: skip
+
+
+def make_request(num_prompt_tokens: int, arrival: int, priority: int = 0) -> Request:
+    return Request(str(arrival), list(range(1, num_prompt_tokens + 1)), SamplingParams(), seed=0,
+                   arrival_index=arrival, max_model_len=256, priority=priority)  # fmt: skip
+
+
+def run_step(scheduler: Scheduler, new_token: int = 7) -> list[tuple[str, int, int]]:
+    """Schedule one step and apply it as the engine would; returns (id, start, num_tokens) per sequence."""
+    out = scheduler.schedule()
+    for seq in out.sequences:
+        seq.request.num_computed_tokens += seq.num_tokens
+        if seq.samples:
+            seq.request.append_token(new_token)
+    return [(s.request.request_id, s.start, s.num_tokens) for s in out.sequences]
+
+
+def assert_pages_whole(scheduler: Scheduler) -> None:
+    held = sum(len(r.pages) for r in scheduler.running)
+    assert scheduler.pool.num_free + held == scheduler.pool.num_pages
+
+
+def test_decodes_first_then_prefill_chunks_within_the_budget():
+    scheduler = make_scheduler(budget=64)
+    for i in range(2):
+        scheduler.add(make_request(8, i))
+    assert run_step(scheduler) == [("0", 0, 8), ("1", 0, 8)]
+    scheduler.add(make_request(100, 2))
+    # Two decodes, then the new prompt's first chunk fills the rest of the budget.
+    assert run_step(scheduler) == [("0", 8, 1), ("1", 8, 1), ("2", 0, 62)]
+    assert run_step(scheduler) == [("0", 9, 1), ("1", 9, 1), ("2", 62, 30)]  # cut back to bucket 32
+    assert run_step(scheduler) == [("0", 10, 1), ("1", 10, 1), ("2", 92, 8)]
+    assert_pages_whole(scheduler)
+
+
+def test_a_chunk_spilling_past_a_bucket_is_cut_back_to_its_edge():
+    scheduler = make_scheduler(budget=64)  # buckets 16, 32, 64
+    scheduler.add(make_request(4, 0))
+    run_step(scheduler)
+    scheduler.add(make_request(34, 1))
+    # 1 decode + 34 prompt tokens = 35 would pad to 64; 31 of them fill bucket 32 and 3 ride along next step.
+    assert run_step(scheduler) == [("0", 4, 1), ("1", 0, 31)]
+    assert run_step(scheduler) == [("0", 5, 1), ("1", 31, 3)]
+
+
+def test_a_chunk_is_not_cut_below_half():
+    scheduler = make_scheduler(budget=64, seqs=16)
+    for i in range(10):
+        scheduler.add(make_request(1, i))
+    run_step(scheduler)
+    scheduler.add(make_request(20, 10))
+    # 10 decodes + 20 prompt tokens = 30: bucket 16 would leave the prompt only 6 tokens, so it pads to 32.
+    assert run_step(scheduler)[-1] == ("10", 0, 20)
+
+
+def test_max_num_seqs_limits_admission():
+    scheduler = make_scheduler(seqs=2)
+    for i in range(3):
+        scheduler.add(make_request(4, i))
+    assert [r for r, _, _ in run_step(scheduler)] == ["0", "1"]
+    scheduler.finish(scheduler.running[0], "stop")
+    assert [r for r, _, _ in run_step(scheduler)] == ["1", "2"]
+
+
+def test_priority_orders_admission():
+    scheduler = make_scheduler(seqs=1)
+    scheduler.add(make_request(4, 0, priority=1))
+    scheduler.add(make_request(4, 1, priority=0))
+    assert run_step(scheduler) == [("1", 0, 4)]
+
+
+def test_out_of_pages_preempts_the_latest_admitted_and_it_resumes_first():
+    scheduler = make_scheduler(budget=64, pages=4, page_size=4)  # 16 tokens of KV in all
+    scheduler.add(make_request(8, 0))
+    scheduler.add(make_request(8, 1))
+    run_step(scheduler)  # both prompts fill their two pages each; the pool is empty
+    assert scheduler.pool.num_free == 0
+    out = scheduler.schedule()  # request 0 needs a third page for its next token
+    assert [r.request_id for r in out.preempted] == ["1"]
+    assert [(s.request.request_id, s.num_tokens) for s in out.sequences] == [("0", 1)]
+    preempted = out.preempted[0]
+    assert preempted.status is RequestStatus.PREEMPTED and preempted.num_computed_tokens == 0
+    assert len(preempted.pages) == 0 and preempted.num_output_tokens == 1  # its output is kept
+    assert scheduler.waiting[0][-1] is preempted
+    assert_pages_whole(scheduler)
+    scheduler.finish(scheduler.running[0], "stop")
+    assert scheduler.pool.num_free == scheduler.pool.num_pages
+    # It comes back recomputing prompt + output (9 tokens).
+    assert [(s.request.request_id, s.start, s.num_tokens) for s in scheduler.schedule().sequences] == [("1", 0, 9)]
+
+
+def test_finish_returns_pages_and_slots():
+    scheduler = make_scheduler()
+    requests = [make_request(9, i) for i in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    run_step(scheduler)
+    for r in requests:
+        scheduler.finish(r, "abort")
+    assert scheduler.pool.num_free == scheduler.pool.num_pages
+    assert sorted(scheduler.free_slots) == list(range(8))
+    assert not scheduler.running and np.all(scheduler.pool.ref_counts == 0)

@@ -1,0 +1,408 @@
+"""The OpenAI-compatible server, driven over HTTP by the official `openai` client and by httpx."""
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_utils import TINY_CHAT_TEMPLATE, running_server, wait_until
+
+from jserve.engine.args import EngineArgs
+from jserve.server import ServerSettings
+
+from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy, tiny_kv_bytes
+
+MODEL = "tiny"
+
+
+def tiny_args(folder, **overrides) -> EngineArgs:
+    settings = dict(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                    kv_cache_memory=tiny_kv_bytes(64), enable_prefix_caching=False)  # fmt: skip
+    settings.update(overrides)
+    return EngineArgs(**settings)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_checkpoint):
+    settings = ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)
+    with running_server(tiny_args(tiny_llama_checkpoint[0]), settings) as handle:
+        yield handle
+
+
+@pytest.fixture(autouse=True)
+def engine_idle_after(request):
+    """After every test: nothing in flight, every KV page back in the pool (once aborts have landed)."""
+    yield
+    if "server" in request.fixturenames:
+        handle = request.getfixturevalue("server")
+        wait_until(lambda: not handle.engine.engine.has_unfinished_requests(), timeout=30)
+        assert_engine_idle(handle.engine)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def prompt_ids(seed: int, length: int = 12) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB_SIZE, length).tolist()
+
+
+def post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", **{"timeout": 60} | kwargs)
+
+
+# --- happy paths ---------------------------------------------------------------------------------
+
+
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.base_url}/health").json() == {"status": "ready"}
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+
+
+def test_greedy_completion_matches_transformers(server, client, tiny_llama_checkpoint):
+    ids = prompt_ids(0)
+    expected = reference_greedy(tiny_llama_checkpoint[1], ids, 16)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, logprobs=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    tokenizer = server.engine.tokenizer
+    assert choice.text == tokenizer.decode(expected)
+    assert choice.logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in expected]
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 16
+    assert out.usage.total_tokens == len(ids) + 16
+
+
+def test_streamed_completion_equals_the_whole_one(client):
+    kwargs = dict(model=MODEL, prompt=["hello there", "a b c"], max_tokens=20, temperature=0,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    whole = client.completions.create(**kwargs)
+    texts, finishes = {0: "", 1: ""}, {}
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    for chunk in chunks[:-1]:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finishes == {0: "length", 1: "length"}
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 40
+    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_stream_starts_with_the_role_and_matches_the_whole_reply(client):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_n_and_seed(client):
+    kwargs = dict(model=MODEL, prompt="seeded", max_tokens=10, temperature=1.0, n=3, seed=7,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1  # each completion has its own seed
+    other = client.completions.create(**(kwargs | {"seed": 8}))
+    assert [c.text for c in other.choices] != [c.text for c in first.choices]
+
+
+def test_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="x y", max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and top[token] == pytest.approx(logprob)  # greedy: the choice is the top one
+        assert max(top.values()) == pytest.approx(logprob)
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for item in content:
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert item.bytes == list(item.token.encode())
+
+
+def test_stop_string_is_excluded(client):
+    base = client.completions.create(model=MODEL, prompt="stop test", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
+    stop = base[len(base) // 2 : len(base) // 2 + 2]
+    assert stop.strip(), f"pick a prompt whose output has text to stop on: {base!r}"
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt="stop test", max_tokens=24, temperature=0, stop=[stop],
+                                        stream=stream, extra_body={"ignore_eos": True})  # fmt: skip
+        if stream:
+            chunks = list(out)
+            text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = out.choices[0].text, out.choices[0].finish_reason
+        assert text == base[: base.index(stop)] and finish == "stop"
+
+
+def test_echo_prepends_the_prompt(client):
+    out = client.completions.create(model=MODEL, prompt="echo me", max_tokens=4, temperature=0, echo=True)
+    assert out.choices[0].text.startswith("echo me")
+
+
+def test_tokenize_detokenize(server):
+    tokens = post(server, "/tokenize", json={"prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 256
+    text = post(server, "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text.endswith("hello world")
+    chat = post(server, "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 0
+
+
+def test_64_concurrent_streams(server):
+    async def one(aclient, i):
+        ids, max_tokens = prompt_ids(i, 5 + i % 20), 8 + i % 9
+        stream = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        finishes = [c.choices[0].finish_reason async for c in stream if c.choices]
+        return finishes
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert all(f[-1] == "length" and f.count("length") == 1 for f in results)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, text: str = "") -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    assert text in error["message"]
+
+
+@pytest.mark.parametrize(
+    "body, param, text",
+    [
+        ({"prompt": "x", "tools": [{"type": "function"}]}, "tools", "unsupported"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "best_of"),
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "top_p"),
+        ({"prompt": "x", "n": 0}, "n", "n"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "20"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": [VOCAB_SIZE + 5]}, "prompt", "vocabulary"),
+        ({"prompt": list(range(3, 300))}, "prompt", "297 tokens, but max_model_len is 256"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({}, "prompt", "prompt"),
+    ],
+)
+def test_completion_validation_errors_are_400(server, body, param, text):
+    assert_error(post(server, "/v1/completions", json={"model": MODEL} | body), 400, param, text)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_chat_validation_errors_are_400(server, body, param):
+    assert_error(post(server, "/v1/chat/completions", json={"model": MODEL} | body), 400, param)
+
+
+def test_other_errors(server):
+    assert_error(post(server, "/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
+    assert_error(post(server, "/v1/nothing", json={}), 404)
+    assert_error(post(server, "/v1/completions", content=b"{not json"), 400, text="JSON")
+    assert_error(post(server, "/v1/completions", content=b" " * (17 << 20)), 413)
+
+
+def test_the_engine_keeps_serving_after_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        # The engine takes the first prompt, refuses the second, and withdraws the first.
+        client.completions.create(model=MODEL, prompt=[[5, 6, 7], [VOCAB_SIZE + 1]], max_tokens=3)
+    assert client.completions.create(model=MODEL, prompt="fine", max_tokens=3).choices[0].finish_reason
+
+
+# --- cancellation --------------------------------------------------------------------------------
+
+
+def test_disconnected_stream_is_aborted(server):
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    wait_until(lambda: server.metric("num_requests_running") == 0 and server.metric("num_requests_waiting") == 0)
+    assert server.metric("request_success_total") >= 1
+    assert 'finished_reason="abort"' in httpx.get(f"{server.base_url}/metrics").text
+
+
+def test_disconnected_whole_request_is_aborted(server):
+    aborted_before = _aborted(server)
+    # 8 completions of 250 tokens take the tiny model about a second on 2 CPU cores; the client leaves sooner.
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 250, "n": 8, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", json=body, timeout=0.15)
+    wait_until(lambda: _aborted(server) == aborted_before + 8)
+    wait_until(lambda: server.metric("num_requests_running") == 0)
+
+
+def _aborted(server) -> float:
+    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+        if line.startswith("jserve:request_success_total{") and 'finished_reason="abort"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_names(server, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=3)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):  # fmt: skip
+        assert f"jserve:{name}" in text, name
+    assert server.metric("generation_tokens_total") >= 3
+
+
+# --- a second server: auth, queue limit, soak ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_llama_checkpoint):
+    """An API key, a queue of 8, and a KV pool of 24 pages (384 tokens) for up to 8 sequences of 256."""
+    settings = ServerSettings(MODEL, api_key="sesame", max_queue=8)
+    args = tiny_args(tiny_llama_checkpoint[0], kv_cache_memory=tiny_kv_bytes(24))
+    with running_server(args, settings) as handle:
+        yield handle
+        wait_until(lambda: not handle.engine.engine.has_unfinished_requests())
+        assert_engine_idle(handle.engine)
+
+
+def test_api_key(small_server):
+    url = f"{small_server.base_url}/v1/completions"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert_error(httpx.post(url, json=body), 401)
+    assert_error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(f"{small_server.base_url}/v1/models"), 401)
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}, timeout=30).status_code == 200
+    assert httpx.get(f"{small_server.base_url}/health").status_code == 200  # health needs no key
+
+
+def test_full_queue_gets_429(small_server):
+    async def one(client, i):
+        try:
+            out = await client.completions.create(model=MODEL, prompt=prompt_ids(i), max_tokens=40,
+                                                  extra_body={"ignore_eos": True})  # fmt: skip
+            return out.usage.completion_tokens
+        except openai.RateLimitError:
+            return "429"
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{small_server.base_url}/v1", api_key="sesame", max_retries=0) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(40)))
+
+    results = asyncio.run(main())
+    assert "429" in results
+    assert all(r == 40 for r in results if r != "429")
+
+
+def test_soak_with_disconnects_and_preemption(small_server, caplog):
+    """300 requests at concurrency 64, a fifth of them abandoned at random, more KV demand than pages."""
+    rng = np.random.default_rng(0)
+    plans = [(prompt_ids(i, int(rng.integers(4, 60))), int(rng.integers(8, 120)), rng.random() < 0.2,
+              float(rng.uniform(0.0, 0.5))) for i in range(300)]  # fmt: skip
+    preempted_before = small_server.metric("num_preemptions_total")
+    headers = {"Authorization": "Bearer sesame"}
+
+    async def one(client, limit, plan):
+        ids, max_tokens, abandon, after = plan
+        body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        async with limit:
+            for _ in range(2000):  # the queue holds 8: come back after a 429, as a client would
+                try:
+                    return await asyncio.wait_for(read(client, body), after) if abandon else await read(client, body)
+                except asyncio.TimeoutError:
+                    return "abandoned"
+                except RateLimited:
+                    await asyncio.sleep(0.05)
+            raise AssertionError("never admitted")
+
+    async def main():
+        limit = asyncio.Semaphore(64)
+        async with httpx.AsyncClient(base_url=small_server.base_url, headers=headers, timeout=120) as client:
+            return await asyncio.gather(*(one(client, limit, p) for p in plans))
+
+    async def read(client, body):
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code == 429:
+                raise RateLimited
+            assert response.status_code == 200, await response.aread()
+            text, finish = "", None
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+            return finish
+
+    with caplog.at_level("WARNING"):
+        results = asyncio.run(main())
+    for plan, result in zip(plans, results, strict=True):
+        assert result in (("length", "abandoned") if plan[2] else ("length",)), (plan, result)
+    assert small_server.metric("num_preemptions_total") > preempted_before
+    wait_until(lambda: not small_server.engine.engine.has_unfinished_requests())
+    assert_engine_idle(small_server.engine)
+    server_errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name.startswith(("jserve", "uvicorn"))]
+    assert not server_errors
+
+
+class RateLimited(Exception):
+    pass
+
+
+# --- the default model ---------------------------------------------------------------------------
+
+
+def test_smollm2_knows_the_capital_of_france(smollm2_gguf_path):
+    args = EngineArgs(model=str(smollm2_gguf_path), dtype="float32", max_model_len=512, max_num_seqs=4,
+                      max_num_batched_tokens=128, enable_prefix_caching=False)  # fmt: skip
+    with running_server(args, ServerSettings("SmolLM2-135M-Instruct")) as handle:
+        client = openai.OpenAI(base_url=f"{handle.base_url}/v1", api_key="unused")
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            temperature=0,
+            max_tokens=32,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
+        assert "Paris" in reply.choices[0].message.content
+        assert reply.choices[0].finish_reason in ("stop", "length")
