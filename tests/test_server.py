@@ -7,11 +7,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_utils import TINY_CHAT_TEMPLATE, running_server, wait_until
 
 from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings
 
+from server_utils import TINY_CHAT_TEMPLATE, running_server, wait_until
 from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy, tiny_kv_bytes
 
 MODEL = "tiny"

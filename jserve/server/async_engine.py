@@ -146,7 +146,8 @@ class AsyncEngine:
         """Abort what is still running and stop the engine thread."""
         self.commands.put(("stop",))
         self._thread.join(timeout=60)
-        self.state = EngineState.STOPPED
+        if self.state is not EngineState.FAILED:
+            self.state = EngineState.STOPPED
 
     # --- engine-thread side ----------------------------------------------------------------------
 

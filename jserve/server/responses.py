@@ -7,6 +7,7 @@ that could still become a stop string, so each chunk's text is final.
 
 from __future__ import annotations
 
+import abc
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ class ChoiceProgress:
     finished: bool = False
 
 
-class ResponseBuilder:
+class ResponseBuilder(abc.ABC):
     """Shared by both endpoints: ids, usage, and per-choice streaming progress."""
 
     object_name = ""
@@ -94,11 +95,13 @@ class ResponseBuilder:
         return {"id": self.id, "object": self.chunk_object_name, "created": self.created, "model": self.model,
                 "choices": choices}  # fmt: skip
 
+    @abc.abstractmethod
     def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
-        raise NotImplementedError
+        """One choice of a whole response."""
 
+    @abc.abstractmethod
     def _chunk(self, index, text, tokens, logprobs, finish_reason, offset) -> dict:
-        raise NotImplementedError
+        """One streamed chunk: `text` and its `tokens`, whose text starts at `offset` in the choice."""
 
 
 class CompletionResponses(ResponseBuilder):
