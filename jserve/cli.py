@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)  # jserve's own log only; JAX's backend probing stays quiet
     log.setLevel(logging.INFO)
+    log.propagate = False  # a root handler (uvicorn, a notebook) would print each line twice
     try:
         code = args.run(args)
     except (JServeError, FileExistsError, ValueError) as err:

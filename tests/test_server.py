@@ -39,6 +39,7 @@ def engine_idle_after(request):
         handle = request.getfixturevalue("server")
         wait_until(lambda: not handle.engine.engine.has_unfinished_requests(), timeout=30)
         assert_engine_idle(handle.engine)
+        assert not handle.engine.submissions  # every HTTP call's bookkeeping is gone too
 
 
 @pytest.fixture
@@ -306,6 +307,7 @@ def small_server(tiny_llama_checkpoint):
         yield handle
         wait_until(lambda: not handle.engine.engine.has_unfinished_requests())
         assert_engine_idle(handle.engine)
+        assert not handle.engine.submissions
 
 
 def test_api_key(small_server):

@@ -79,10 +79,10 @@ class Submission:
         return [self.latest[i] for i in self.request_ids]
 
     def abort(self) -> None:
-        """Abort whatever has not finished (a no-op once all have); frees their KV pages within a step."""
+        """End this call: abort whatever has not finished (their KV pages are freed within a step)."""
+        self.engine.forget(self)
         if not self.closed:
             self.closed = True
-            self.engine.forget(self)
             self.engine.commands.put(("abort", self.request_ids))
 
     def _deliver(self, item: RequestOutput | BaseException) -> None:
