@@ -120,6 +120,12 @@ def hf_worker() -> None:
     print(json.dumps(result.__dict__))
 
 
+def median_result(runs: list[Result]) -> Result:
+    """The run with the median output throughput (for an odd count; the lower middle otherwise)."""
+    ranked = sorted(runs, key=lambda r: r.output_tokens / r.seconds)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -156,6 +162,7 @@ def main() -> None:
     parser.add_argument("--static", action="store_true", help="also run static batching")
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each jserve mode, alternated; medians")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -166,9 +173,15 @@ def main() -> None:
     work = make_workload(args, llm.engine.model.config.vocab_size)
     llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
 
-    results = [run_jserve(llm, work, static=False)]
-    if args.static:
-        results.append(run_jserve(llm, work, static=True))
+    results = []
+    for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike
+        results.append(run_jserve(llm, work, static=False))
+        if args.static:
+            results.append(run_jserve(llm, work, static=True))
+        if args.repeats > 1:
+            print(f"repeat {repeat + 1}/{args.repeats}:", *(f"{r.name} {r.output_tokens / r.seconds:.1f} tok/s"
+                                                           for r in results[-1 - args.static :]))  # fmt: skip
+    results = [median_result([r for r in results if r.name == name]) for name in dict.fromkeys(r.name for r in results)]
     if args.baseline == "hf":
         model_path = default_model_path() if args.model is None else Path(args.model)
         results.append(run_hf(model_path, work, args.baseline_requests))
