@@ -30,6 +30,7 @@ class LLM:
         page_size: int = 16,
         kv_cache_memory: int | None = None,
         enable_prefix_caching: bool = True,
+        schedule_policy: str = "fcfs",
         tensor_parallel_size: int = 1,
         seed: int = 0,
     ):
@@ -42,6 +43,7 @@ class LLM:
             page_size=page_size,
             kv_cache_memory=kv_cache_memory,
             enable_prefix_caching=enable_prefix_caching,
+            schedule_policy=schedule_policy,
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
         ).create_engine()

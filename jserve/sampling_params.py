@@ -74,6 +74,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Repetition / presence / frequency penalties: they need the request's whole history."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def validate_token_ids(self, vocab_size: int) -> None:
         """Raises ValueError if a stop_token_ids or logit_bias id is outside the model's vocabulary."""
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):

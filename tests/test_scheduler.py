@@ -6,11 +6,13 @@ from jserve import SamplingParams
 from jserve.engine.config import EngineConfig
 from jserve.engine.request import Request, RequestStatus
 from jserve.engine.scheduler import Scheduler
+from jserve.engine.stats import EngineStats
 
 
-def make_scheduler(budget=64, seqs=8, pages=64, page_size=4) -> Scheduler:
-    return Scheduler(EngineConfig(max_model_len=256, max_num_seqs=seqs, max_num_batched_tokens=budget,
-                                  page_size=page_size, num_pages=pages))  # fmt: skip
+def make_scheduler(budget=64, seqs=8, pages=64, page_size=4, caching=False, policy="fcfs") -> Scheduler:
+    config = EngineConfig(max_model_len=256, max_num_seqs=seqs, max_num_batched_tokens=budget, page_size=page_size,
+                          num_pages=pages, enable_prefix_caching=caching, schedule_policy=policy)  # fmt: skip
+    return Scheduler(config, EngineStats())
 
 
 def make_request(num_prompt_tokens: int, arrival: int, priority: int = 0) -> Request:
@@ -94,7 +96,7 @@ def test_out_of_pages_preempts_the_latest_admitted_and_it_resumes_first():
     preempted = out.preempted[0]
     assert preempted.status is RequestStatus.PREEMPTED and preempted.num_computed_tokens == 0
     assert len(preempted.pages) == 0 and preempted.num_output_tokens == 1  # its output is kept
-    assert scheduler.waiting[0][-1] is preempted
+    assert scheduler.waiting[0] is preempted
     assert_pages_whole(scheduler)
     scheduler.finish(scheduler.running[0], "stop")
     assert scheduler.pool.num_free == scheduler.pool.num_pages
@@ -113,3 +115,69 @@ def test_finish_returns_pages_and_slots():
     assert scheduler.pool.num_free == scheduler.pool.num_pages
     assert sorted(scheduler.free_slots) == list(range(8))
     assert not scheduler.running and np.all(scheduler.pool.ref_counts == 0)
+
+
+# --- with the prefix cache -----------------------------------------------------------------------
+
+
+def finish_all(scheduler: Scheduler) -> None:
+    for request in list(scheduler.running):
+        scheduler.finish(request, "stop")
+
+
+def check(scheduler: Scheduler) -> None:
+    scheduler.cache.check_integrity([r.pages for r in scheduler.running])
+
+
+def test_a_cached_prefix_is_skipped_and_its_path_locked():
+    scheduler = make_scheduler(caching=True)
+    scheduler.add(make_request(10, 0))
+    run_step(scheduler)  # 10 prompt tokens: two whole pages enter the cache
+    scheduler.cache_computed(scheduler.running[0])
+    check(scheduler)
+    assert scheduler.cache.num_pages == 2
+    scheduler.add(make_request(10, 1))  # the same prompt
+    assert run_step(scheduler)[-1] == ("1", 8, 2)
+    later = scheduler.running[-1]
+    assert later.num_cached_tokens == 8 and scheduler.cache.evictable_pages == 0
+    check(scheduler)
+    finish_all(scheduler)
+    check(scheduler)
+    assert scheduler.cache.evictable_pages == scheduler.cache.num_pages
+
+
+def test_cached_pages_are_evicted_before_anyone_is_preempted():
+    scheduler = make_scheduler(caching=True, pages=6)
+    scheduler.add(make_request(16, 0))
+    run_step(scheduler)
+    finish_all(scheduler)
+    assert scheduler.cache.num_pages == 4 and scheduler.pool.num_free == 2
+    scheduler.add(Request("other", list(range(50, 66)), SamplingParams(), seed=0, arrival_index=1,
+                          max_model_len=256))  # fmt: skip
+    out = scheduler.schedule()  # needs 4 pages: 2 free + 2 evicted
+    assert not out.preempted and out.sequences[0].num_tokens == 16
+    assert scheduler.cache.num_pages == 2
+    check(scheduler)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first():
+    scheduler = make_scheduler(caching=True, seqs=1, policy="lpm")
+    scheduler.add(make_request(12, 0))
+    run_step(scheduler)
+    finish_all(scheduler)
+    scheduler.add(Request("cold", list(range(90, 102)), SamplingParams(), seed=0, arrival_index=1,
+                          max_model_len=256))  # fmt: skip
+    scheduler.add(make_request(12, 2))  # arrives later, but shares two cached pages
+    assert run_step(scheduler)[0][0] == "2"
+
+
+def test_penalised_requests_compute_their_whole_history():
+    scheduler = make_scheduler(caching=True)
+    scheduler.add(make_request(12, 0))
+    run_step(scheduler)
+    finish_all(scheduler)
+    request = Request("p", list(range(1, 13)), SamplingParams(repetition_penalty=1.2), seed=0, arrival_index=1,
+                      max_model_len=256)  # fmt: skip
+    scheduler.add(request)
+    assert run_step(scheduler) == [("p", 0, 12)]
+    check(scheduler)

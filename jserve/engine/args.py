@@ -36,6 +36,7 @@ class EngineArgs:
     page_size: int = 16
     kv_cache_memory: int | None = None  # bytes
     enable_prefix_caching: bool = True
+    schedule_policy: str = "fcfs"  # "lpm": longest cached prefix first
     tensor_parallel_size: int = 1
     seed: int = 0
 
@@ -54,9 +55,9 @@ class EngineArgs:
             page_size=self.page_size,
             kv_cache_memory=self.kv_cache_memory,
             seed=self.seed,
+            enable_prefix_caching=self.enable_prefix_caching,
+            schedule_policy=self.schedule_policy,
         )
-        if self.enable_prefix_caching:
-            log.info("Prefix caching is not implemented yet (issue #5); every prompt is computed in full")
         engine = LLMEngine(loaded, config)
         log.info("Engine ready in %.1fs", time.perf_counter() - start)
         return engine
@@ -74,7 +75,10 @@ class EngineArgs:
                             help="token budget per step (CPU 512, else 2048)")  # fmt: skip
         parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
         parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
-        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                            help="share computed KV pages between requests with the same prefix")  # fmt: skip
+        parser.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
+                            help="admission order: arrival, or longest cached prefix first")  # fmt: skip
         parser.add_argument("--tensor-parallel-size", type=int, default=1)
         parser.add_argument("--seed", type=int, default=0)
 

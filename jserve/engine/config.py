@@ -15,6 +15,7 @@ log = logging.getLogger("jserve")
 
 GiB = 1 << 30
 MIN_TOKEN_BUCKET = 16
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class EngineConfig:
     page_size: int
     num_pages: int
     seed: int = 0
+    enable_prefix_caching: bool = True
+    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -65,6 +68,8 @@ def resolve_engine_config(
     page_size: int,
     kv_cache_memory: int | None,
     seed: int,
+    enable_prefix_caching: bool = True,
+    schedule_policy: str = "fcfs",
 ) -> EngineConfig:
     on_cpu = jax.default_backend() == "cpu"
     max_model_len = max_model_len or model.max_position_embeddings
@@ -86,4 +91,7 @@ def resolve_engine_config(
             f"KV cache of {memory / GiB:.2f} GiB holds {num_pages * page_size} tokens, fewer than max_model_len "
             f"{max_model_len}; raise kv_cache_memory or lower max_model_len"
         )
-    return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, int(num_pages), seed)
+    if schedule_policy not in SCHEDULE_POLICIES:
+        raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
+    return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, int(num_pages), seed,
+                        enable_prefix_caching, schedule_policy)  # fmt: skip

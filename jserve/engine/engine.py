@@ -50,7 +50,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
-        self.scheduler = Scheduler(config)
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(config, self.stats)
         self.runner = ModelRunner(model, config, self.eos_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.parents: dict[str, ParentRequest] = {}
@@ -58,12 +59,13 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.forbid_recompile = os.environ.get(FORBID_RECOMPILE_ENV) == "1"
-        self.stats = EngineStats()
         log.info(
             "KV cache: %d pages = %d tokens; max concurrency at max_model_len %d: %.1f",
             config.num_pages, config.num_pages * config.page_size, config.max_model_len,
             config.num_pages * config.page_size / config.max_model_len,
         )  # fmt: skip
+        log.info("Prefix caching %s; schedule policy %s", "on" if config.enable_prefix_caching else "off",
+                 config.schedule_policy)  # fmt: skip
         self.runner.warm_up()
 
     # --- requests in -----------------------------------------------------------------------------
@@ -75,10 +77,12 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         prompt_text: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (naming the field) before anything is queued.
 
-        `prompt_text` names the text of a token-id prompt (e.g. a rendered chat template) for the output."""
+        `prompt_text` names the text of a token-id prompt (e.g. a rendered chat template) for the output;
+        requests share cached prefixes only with requests of the same `cache_salt`."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
@@ -103,6 +107,7 @@ class LLMEngine:
                 priority=priority,
                 index=i,
                 parent_id=request_id,
+                cache_salt=cache_salt,
             )
             for i, seed in enumerate(seeds)
         ]
@@ -165,6 +170,7 @@ class LLMEngine:
                 request.num_computed_tokens += seq.num_tokens
                 if seq.start < request.num_prompt_tokens:
                     stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
+                    self.scheduler.cache_computed(request)
                 if not seq.samples:
                     continue
                 stats.generated_tokens += 1
@@ -221,5 +227,6 @@ class LLMEngine:
             prompt_token_ids=parent.prompt_token_ids,
             outputs=completions,
             finished=parent.finished,
+            num_cached_tokens=max(c.num_cached_tokens for c in parent.children),
             metrics=metrics,
         )

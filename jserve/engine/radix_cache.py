@@ -58,7 +58,7 @@ class RadixCache:
     def match_prefix(self, tokens: np.ndarray, salt: str | None = None) -> PrefixMatch:
         """The longest cached run of whole pages that `tokens` starts with. A match ending inside an edge
         splits it there, so the match always ends at a node (which the caller may lock)."""
-        node, pages, pos = self._root(salt), [], 0
+        node, pages, pos = self.root(salt), [], 0
         now = next(self._clock)
         node.last_access = now
         while pos + self.page_size <= len(tokens):
@@ -109,13 +109,16 @@ class RadixCache:
     # --- eviction --------------------------------------------------------------------------------
 
     def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages if unlocked leaves hold them, least recently used first; returns
-        how many pages the tree let go (each returns to the pool unless a request still holds it)."""
+        """Let go of `num_pages` pages (or all unlocked ones, if fewer) from the ends of least recently used
+        unlocked leaves; returns how many. Each returns to the pool unless a request still holds it."""
         leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and not n.lock_ref]
         heapq.heapify(leaves)
         released = 0
         while released < num_pages and leaves:
             _, _, leaf = heapq.heappop(leaves)
+            keep = len(leaf.pages) - (num_pages - released)
+            if keep > 0:  # only the leaf's last pages are needed: keep its head cached
+                self._split(leaf, keep)
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens, 0)]
             self.pool.release(leaf.pages)
@@ -153,7 +156,7 @@ class RadixCache:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _root(self, salt: str | None) -> Node:
+    def root(self, salt: str | None) -> Node:
         if salt not in self.roots:
             self.roots[salt] = Node(np.zeros(0, np.int32), np.zeros(0, np.int32), None)
         return self.roots[salt]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jserve.engine.radix_cache import Node
 from jserve.sampling_params import SamplingParams
 
 
@@ -18,7 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -30,6 +31,7 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
+    cache_salt: str | None = None  # prefix-cache namespace: requests share cached pages only within one
 
     status: RequestStatus = RequestStatus.WAITING
     # All tokens (prompt then output) in a buffer sized for the longest sequence, so slicing is cheap.
@@ -40,6 +42,9 @@ class Request:
     slot: int = -1  # the engine row (page table, penalty state) while running
     admit_index: int = -1  # order of admission to RUNNING; the latest admitted is preempted first
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    cache_node: Node | None = field(default=None, repr=False)  # the locked cache node its pages reach
+    num_cached_path_tokens: int = 0  # tokens from the cache root to cache_node
 
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)

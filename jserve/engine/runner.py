@@ -92,7 +92,7 @@ class ModelRunner:
         padded_slots = np.zeros(num_seqs, np.int32)
         padded_slots[:n] = slots
         reset = np.zeros(num_seqs, bool)
-        reset[:n] = [s.start == 0 for s in sequences]
+        reset[:n] = [s.first for s in sequences]
 
         return StepInput(
             model=model,

@@ -30,10 +30,11 @@ class EngineStats:
         if elapsed < LOG_INTERVAL_S:
             return
         prompt, generated = self.prompt_tokens - self._last_counts[0], self.generated_tokens - self._last_counts[1]
+        hit_rate = 100 * self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
         log.info(
             "prefill %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.0f%% used; "
-            "host %.1f%% of step time; %d preemptions so far",
-            prompt / elapsed, generated / elapsed, running, waiting, 100 * kv_used,
+            "prefix cache hit rate %.1f%%; host %.1f%% of step time; %d preemptions so far",
+            prompt / elapsed, generated / elapsed, running, waiting, 100 * kv_used, hit_rate,
             100 * self.host_s / max(self.host_s + self.device_s, 1e-9), self.preemptions,
         )  # fmt: skip
         self._last_log, self._last_counts = now, (self.prompt_tokens, self.generated_tokens)

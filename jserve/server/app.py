@@ -111,7 +111,7 @@ class OpenAIServer:
         if self.engine.num_queued + len(prompts) > self.settings.max_queue:
             raise APIError(429, f"the queue is full ({self.settings.max_queue} requests waiting); retry later")
         try:
-            submission = await self.engine.submit(prompts, gen.params, gen.priority)
+            submission = await self.engine.submit(prompts, gen.params, gen.priority, gen.cache_salt)
         except ValueError as err:
             raise bad_request(str(err), "prompt" if str(err).startswith("prompt") else None) from None
         if gen.stream:

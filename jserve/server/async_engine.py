@@ -119,14 +119,15 @@ class AsyncEngine:
         """Requests accepted but not yet producing output."""
         return sum(len(s.unstarted) for s in self.submissions)
 
-    async def submit(self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0) -> Submission:
+    async def submit(self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0,
+                     cache_salt: str | None = None) -> Submission:  # fmt: skip
         """Queue one engine request per prompt; raises ValueError (the engine's validation) if any is bad,
         in which case none is queued."""
         prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         submission = Submission(self, [f"{prefix}-{i}" for i in range(len(prompts))])
         accepted = submission.loop.create_future()
         self.submissions.add(submission)
-        self.commands.put(("add", submission, prompts, params, priority, accepted))
+        self.commands.put(("add", submission, prompts, params, priority, cache_salt, accepted))
         try:
             await accepted
         except BaseException:  # refused, or the client left while it was being queued
@@ -196,11 +197,11 @@ class AsyncEngine:
             else:
                 self._add(*command[1:])
 
-    def _add(self, submission: Submission, prompts: list[PromptInput], params, priority, accepted) -> None:
+    def _add(self, submission: Submission, prompts: list[PromptInput], params, priority, salt, accepted) -> None:
         added: list[str] = []
         try:
             for request_id, prompt in zip(submission.request_ids, prompts, strict=True):
-                self.engine.add_request(prompt.token_ids, params, request_id, priority, prompt_text=prompt.text)
+                self.engine.add_request(prompt.token_ids, params, request_id, priority, prompt.text, salt)
                 added.append(request_id)
         except Exception as err:  # bad input: withdraw this call's requests, touch nothing else
             for request_id in added:

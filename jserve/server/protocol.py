@@ -16,7 +16,7 @@ SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
 )  # fmt: skip
-COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", *SAMPLING_FIELDS}
+COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", "cache_salt", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                                "add_generation_prompt"}  # fmt: skip
@@ -34,6 +34,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     priority: int
+    cache_salt: str | None = None  # requests share cached prefixes only within one salt
     prompts: list[Prompt] | None = None  # completions
     echo: bool = False
     messages: list[dict] | None = None  # chat
@@ -113,7 +114,10 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise bad_request("priority must be an integer", "priority")
-    return GenerationRequest(model, params, stream, include_usage, priority)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+    return GenerationRequest(model, params, stream, include_usage, priority, salt)
 
 
 def _flag(body: dict, name: str, default: bool = False) -> bool:
