@@ -161,11 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)  # jserve's own log only; JAX's backend probing stays quiet
+    # One root handler (replacing any a library set up, so no line prints twice); INFO for jserve's own
+    # log only, so JAX's backend probing stays quiet.
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING, force=True)
     log.setLevel(logging.INFO)
-    log.propagate = False  # a root handler (uvicorn, a notebook) would print each line twice
     try:
         code = args.run(args)
     except (JServeError, FileExistsError, ValueError) as err:

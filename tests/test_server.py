@@ -300,9 +300,10 @@ def test_metrics_names(server, client):
 
 @pytest.fixture(scope="module")
 def small_server(tiny_llama_checkpoint):
-    """An API key, a queue of 8, and a KV pool of 24 pages (384 tokens) for up to 8 sequences of 256."""
+    """An API key, a queue of 8, prefix caching, and a KV pool of 24 pages (384 tokens) for up to 8 sequences
+    of 256."""
     settings = ServerSettings(MODEL, api_key="sesame", max_queue=8)
-    args = tiny_args(tiny_llama_checkpoint[0], kv_cache_memory=tiny_kv_bytes(24))
+    args = tiny_args(tiny_llama_checkpoint[0], kv_cache_memory=tiny_kv_bytes(24), enable_prefix_caching=True)
     with running_server(args, settings) as handle:
         yield handle
         wait_until(lambda: not handle.engine.engine.has_unfinished_requests())
@@ -318,6 +319,22 @@ def test_api_key(small_server):
     assert_error(httpx.get(f"{small_server.base_url}/v1/models"), 401)
     assert httpx.post(url, json=body, headers={"Authorization": "Bearer sesame"}, timeout=30).status_code == 200
     assert httpx.get(f"{small_server.base_url}/health").status_code == 200  # health needs no key
+
+
+def test_cached_tokens_are_reported_per_salt(small_server):
+    client = openai.OpenAI(base_url=f"{small_server.base_url}/v1", api_key="sesame", max_retries=0)
+    ids = prompt_ids(77, 40)
+
+    def cached(salt=None) -> int:
+        extra = {"cache_salt": salt} if salt else {}
+        out = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    hits_before = small_server.metric("prefix_cache_hits_total")
+    assert cached() == 0
+    assert cached() == 32  # two whole pages; the partial third page is never shared
+    assert cached("tenant") == 0
+    assert small_server.metric("prefix_cache_hits_total") == hits_before + 32
 
 
 def test_full_queue_gets_429(small_server):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from jserve.engine.args import EngineArgs
 from jserve.engine.engine import LLMEngine
+from jserve.errors import JServeError
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.server.metrics import ServerMetrics
@@ -157,11 +158,13 @@ class AsyncEngine:
             self.engine = self.args.create_engine()
             if self.chat_template is not None:
                 self.engine.tokenizer.chat_template = self.chat_template
+        except (JServeError, ValueError) as err:  # a bad model or setting: say what, without a traceback
+            log.error("The model failed to load: %s", err)
+            self._fail_load()
+            return
         except BaseException:
             log.exception("The model failed to load")
-            self.state = EngineState.FAILED
-            if self.on_failure is not None:
-                self.on_failure()
+            self._fail_load()
             return
         if self.state is EngineState.LOADING:
             self.state = EngineState.READY
@@ -179,6 +182,11 @@ class AsyncEngine:
                 continue
             self._deliver(outputs)
         self._fail_all(EngineError("the server is shutting down"))
+
+    def _fail_load(self) -> None:
+        self.state = EngineState.FAILED
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _take_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once told to stop."""
