@@ -159,14 +159,15 @@ class Scheduler:
         if match is None:
             return False
         page, tokens = self.config.page_size, request.token_buffer[: request.num_tokens - 1]
+        end = (match.num_pages + 1) * page  # sharing one more whole page than the cache holds is enough
+        if len(tokens) < end:
+            return False
         for other in prefilling:
-            if other.cache_salt != request.cache_salt:
+            if other.cache_salt != request.cache_salt or other.num_prompt_tokens < end:
                 continue
-            n = min(len(tokens), other.num_prompt_tokens) // page * page
-            if n // page <= match.num_pages:
-                continue
-            differ = np.flatnonzero(tokens[:n] != other.token_buffer[:n])
-            if (differ[0] if len(differ) else n) // page > match.num_pages:
+            head = other.token_buffer[:end]
+            # The page past the match first: it tells most prompts apart at a page's cost.
+            if np.array_equal(tokens[end - page : end], head[end - page :]) and np.array_equal(tokens[:end], head):
                 return True
         return False
 
