@@ -31,6 +31,11 @@ class Node:
     last_access: int = 0
 
     @property
+    def end(self) -> int:
+        """Tokens from the root through this node's edge."""
+        return len(self.tokens) + (self.parent.end if self.parent is not None else 0)
+
+    @property
     def is_root(self) -> bool:
         return self.parent is None
 
@@ -131,8 +136,8 @@ class RadixCache:
 
     # --- checks ----------------------------------------------------------------------------------
 
-    def check_integrity(self, request_pages: Iterable[np.ndarray] = ()) -> None:
-        """Every invariant, checked the slow way. With the page lists of all requests, also checks that
+    def check_integrity(self, request_pages: Iterable[np.ndarray] | None = None) -> None:
+        """Every invariant, checked the slow way. Given the page lists of all requests, also checks that
         each page's reference count is exactly its holders (the tree + each request) and that
         free + held == total."""
         tree_pages: list[int] = []
@@ -146,11 +151,11 @@ class RadixCache:
         assert len(tree_pages) == len(set(tree_pages)) == self.num_pages, "a page cached twice"
         assert evictable == self.evictable_pages
         holders = Counter(tree_pages)
-        for pages in request_pages:
+        for pages in request_pages or ():
             holders.update(np.asarray(pages).tolist())
         refs = self.pool.ref_counts
         assert all(refs[p] >= 1 for p in tree_pages), "the tree holds a page the pool thinks is free"
-        if request_pages != ():
+        if request_pages is not None:
             assert all(refs[p] == c for p, c in holders.items()), "reference counts differ from holders"
             assert self.pool.num_free + len(holders) == self.pool.num_pages, "pages leaked"
 

@@ -44,7 +44,6 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     cache_node: Node | None = field(default=None, repr=False)  # the locked cache node its pages reach
-    num_cached_path_tokens: int = 0  # tokens from the cache root to cache_node
 
     cumulative_logprob: float = 0.0
     logprobs: list = field(default_factory=list)

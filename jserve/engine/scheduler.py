@@ -111,7 +111,7 @@ class Scheduler:
                 continue  # a request now prefilling computes this prefix; take it from the cache after
             if match is not None:
                 self.cache.lock(match.node)
-            start = len(match.pages) * self.config.page_size if match is not None else request.num_computed_tokens
+            start = match.node.end if match is not None else request.num_computed_tokens
             n = min(request.num_tokens - start, budget)
             matched = match.num_pages if match is not None else 0
             if not self._can_allocate(-(-(start + n) // self.config.page_size) - matched):
@@ -179,13 +179,13 @@ class Scheduler:
     def _cache_pages(self, request: Request, num_tokens: int) -> None:
         """Insert the request's whole pages up to `num_tokens` and move its lock to where they end."""
         full = num_tokens // self.config.page_size
-        if full * self.config.page_size <= request.num_cached_path_tokens:
+        if full * self.config.page_size <= request.cache_node.end:
             return
         tokens = request.token_buffer[: full * self.config.page_size]
         node = self.cache.insert(tokens, request.pages[:full], request.cache_salt)
         self.cache.lock(node)
         self.cache.unlock(request.cache_node)
-        request.cache_node, request.num_cached_path_tokens = node, full * self.config.page_size
+        request.cache_node = node
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is; its pages and slot return to the pools."""
@@ -208,7 +208,7 @@ class Scheduler:
             request.pages = match.pages.copy()
             self.pool.share(request.pages)
             request.cache_node = match.node
-            request.num_computed_tokens = request.num_cached_path_tokens = len(match.pages) * self.config.page_size
+            request.num_computed_tokens = match.node.end
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
             if match is not None:
@@ -251,7 +251,7 @@ class Scheduler:
         if request.cache_node is not None:
             self._cache_pages(request, request.num_computed_tokens)
             self.cache.unlock(request.cache_node)
-            request.cache_node, request.num_cached_path_tokens = None, 0
+            request.cache_node = None
         self.pool.release(request.pages)
         request.pages = np.zeros(0, np.int32)
         self.free_slots.append(request.slot)
