@@ -33,6 +33,7 @@ class LLM:
         schedule_policy: str = "fcfs",
         tensor_parallel_size: int = 1,
         seed: int = 0,
+        attention_backend: str = "auto",
     ):
         self.engine = EngineArgs(
             model=model,
@@ -46,6 +47,7 @@ class LLM:
             schedule_policy=schedule_policy,
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
+            attention_backend=attention_backend,
         ).create_engine()
         self.tokenizer = self.engine.tokenizer
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 
 import jax
 
+from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.config import resolve_engine_config
 from jserve.engine.engine import LLMEngine
 from jserve.loader import load_model
@@ -39,6 +40,7 @@ class EngineArgs:
     schedule_policy: str = "fcfs"  # "lpm": longest cached prefix first
     tensor_parallel_size: int = 1
     seed: int = 0
+    attention_backend: str = "auto"  # "reference" (plain JAX) or "pallas" kernels; auto: pallas off CPU
 
     def create_engine(self) -> LLMEngine:
         if self.tensor_parallel_size != 1:
@@ -57,6 +59,7 @@ class EngineArgs:
             seed=self.seed,
             enable_prefix_caching=self.enable_prefix_caching,
             schedule_policy=self.schedule_policy,
+            attention_backend=self.attention_backend,
         )
         engine = LLMEngine(loaded, config)
         log.info("Engine ready in %.1fs", time.perf_counter() - start)
@@ -81,6 +84,8 @@ class EngineArgs:
                             help="admission order: arrival, or longest cached prefix first")  # fmt: skip
         parser.add_argument("--tensor-parallel-size", type=int, default=1)
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                            help="auto: Pallas kernels on GPU/TPU, the plain-JAX reference on CPU")  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

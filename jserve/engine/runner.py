@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
+from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
 from jserve.engine.sampler import SamplerOutput, SamplingRow, build_sampling_batch, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence
@@ -31,6 +31,8 @@ class ModelRunner:
         self.stop_ids = stop_ids
         self.kv_cache = allocate_kv_cache(model.config, config.num_pages, config.page_size, model.dtype)
         self.penalty_state = init_penalty_state(config.max_num_seqs, model.config.vocab_size)
+        self.attention = resolve_attention_backend(config.attention_backend)
+        log.info("Attention: %s%s", self.attention.kernel, " (interpret mode)" if self.attention.interpret else "")
         self.executables: dict[int, jax.stages.Compiled] = {}
 
     def warm_up(self) -> None:
@@ -39,7 +41,9 @@ class ModelRunner:
         start = time.perf_counter()
         for bucket in tqdm(self.config.token_buckets, desc="Compiling step buckets", unit="bucket"):
             step = jax.device_put(self.prepare([], bucket))
-            lowered = engine_step.lower(self.model.graphdef, self.model.params, self.kv_cache, self.penalty_state, step)
+            lowered = engine_step.lower(
+                self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state, step
+            )
             self.executables[bucket] = lowered.compile()
             out, self.kv_cache, self.penalty_state = self.executables[bucket](
                 self.model.params, self.kv_cache, self.penalty_state, step

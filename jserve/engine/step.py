@@ -8,7 +8,7 @@ from functools import partial
 import jax
 from flax import nnx
 
-from jserve.attention import KVCache, ModelInput
+from jserve.attention import AttentionBackend, KVCache, ModelInput
 from jserve.engine.sampler import PenaltyState, SamplerOutput, SamplingBatch, sample, update_penalty_state
 
 
@@ -32,11 +32,16 @@ class StepInput:
     penalties: PenaltyUpdate
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+@partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def engine_step(
-    graphdef: nnx.GraphDef, params: nnx.State, kv_cache: KVCache, penalty_state: PenaltyState, step: StepInput
+    graphdef: nnx.GraphDef,
+    attention: AttentionBackend,
+    params: nnx.State,
+    kv_cache: KVCache,
+    penalty_state: PenaltyState,
+    step: StepInput,
 ) -> tuple[SamplerOutput, KVCache, PenaltyState]:
-    logits, kv_cache = nnx.merge(graphdef, params)(step.model, kv_cache)
+    logits, kv_cache = nnx.merge(graphdef, params)(step.model, kv_cache, attention)
     p = step.penalties
     penalty_state = update_penalty_state(
         penalty_state, step.model.token_ids, p.token_slots, p.is_output, p.valid, p.reset_slots, p.reset

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jserve.attention import AttentionMetadata, KVPages, paged_attention, write_kv
+from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
 from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
@@ -26,7 +26,12 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
 
     def __call__(
-        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: KVPages, meta: AttentionMetadata
+        self,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        kv: KVPages,
+        meta: AttentionMetadata,
+        attention: AttentionBackend,
     ) -> tuple[jax.Array, KVPages]:
         tokens = x.shape[0]
         q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
@@ -35,6 +40,5 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        kv = write_kv(kv, k, v, meta.slot_mapping)
-        out = paged_attention(q, kv, meta, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
+        out, kv = attention(q, k, v, kv, meta, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.attention import KVCache, ModelInput
+from jserve.attention import REFERENCE, AttentionBackend, KVCache, ModelInput
 from jserve.config import ModelConfig
 from jserve.models.decoder import DecoderLayer
 from jserve.models.embedding import Embedding
@@ -29,14 +29,16 @@ class CausalLM(nnx.Module):
         tied = config.tie_word_embeddings
         self.lm_head = None if tied else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
 
-    def __call__(self, batch: ModelInput, kv_cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def __call__(
+        self, batch: ModelInput, kv_cache: KVCache, attention: AttentionBackend = REFERENCE
+    ) -> tuple[jax.Array, KVCache]:
         """Run the batch's tokens, write their K/V; returns float32 logits [L, vocab] at batch.logits_indices."""
         meta = batch.attention
         rope = rope_angles(meta.positions, inverse_frequencies(self.config))  # a trace-time constant
         x = self.embed_tokens(batch.token_ids)
         new_cache = []
         for layer, kv in zip(self.layers, kv_cache, strict=True):
-            x, kv = layer(x, rope, kv, meta)
+            x, kv = layer(x, rope, kv, meta, attention)
             new_cache.append(kv)
         hidden = self.norm(x[batch.logits_indices])
         logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jserve.attention import AttentionMetadata, KVPages
+from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
 from jserve.models.attention import Attention
 from jserve.models.mlp import MLP
@@ -20,8 +20,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype=dtype)
 
     def __call__(
-        self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: KVPages, meta: AttentionMetadata
+        self,
+        x: jax.Array,
+        rope: tuple[jax.Array, jax.Array],
+        kv: KVPages,
+        meta: AttentionMetadata,
+        attention: AttentionBackend,
     ) -> tuple[jax.Array, KVPages]:
-        attn_out, kv = self.self_attn(self.input_layernorm(x), rope, kv, meta)
+        attn_out, kv = self.self_attn(self.input_layernorm(x), rope, kv, meta, attention)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), kv

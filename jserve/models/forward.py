@@ -11,11 +11,17 @@ from functools import partial
 import jax
 from flax import nnx
 
-from jserve.attention import KVCache, ModelInput
+from jserve.attention import REFERENCE, AttentionBackend, KVCache, ModelInput
 
 
-@partial(jax.jit, static_argnums=0, donate_argnums=2)
-def forward_step(graphdef: nnx.GraphDef, params: nnx.State, kv_cache: KVCache, batch: ModelInput):
+@partial(jax.jit, static_argnums=0, static_argnames="attention", donate_argnums=2)
+def forward_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv_cache: KVCache,
+    batch: ModelInput,
+    attention: AttentionBackend = REFERENCE,
+):
     """-> (float32 logits [L, vocab] at batch.logits_indices, updated KV cache)."""
     model = nnx.merge(graphdef, params)
-    return model(batch, kv_cache)
+    return model(batch, kv_cache, attention)

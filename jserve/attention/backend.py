@@ -1,0 +1,83 @@
+"""The attention contract every backend implements, and the choice of backend.
+
+One call per layer and step: write the step's new K/V [T, kv_heads, head_dim] into their slots
+(meta.slot_mapping), then attend the flat, ragged query tokens q [T, heads, head_dim] to their own
+sequence's pages: causal within each sequence, GQA, optional sliding window and logit soft-cap.
+Query tokens past query_start_loc[-1] are padding and come back as zeros.
+
+Backends:
+  reference   plain JAX (`jserve.attention.reference`); the CPU default and the fallback everywhere.
+  pallas      the kernels of `pallas_kernels`: the Triton-lowered kernel on GPUs, the Mosaic kernel on
+              TPUs; on CPU the GPU kernel in Pallas interpret mode (slow: for tests).
+  auto        pallas on GPU and TPU, reference on CPU.
+The K/V write stays an XLA scatter for every backend: with the cache donated it updates in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+from jserve.attention.kv_cache import KVPages
+from jserve.attention.metadata import AttentionMetadata
+from jserve.attention.reference import paged_attention, write_kv
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A hashable attention implementation: it is a static argument of the jitted step."""
+
+    kernel: str = "reference"  # "reference", "pallas-gpu" or "pallas-tpu"
+    interpret: bool = False  # run the Pallas kernel in interpret mode (on CPU)
+
+    def __call__(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        pages: KVPages,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> tuple[jax.Array, KVPages]:
+        """-> (attention output [T, heads, head_dim] in q's dtype, pages with the new K/V written)."""
+        pages = write_kv(pages, k, v, meta.slot_mapping)
+        if self.kernel == "reference":
+            return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
+        if self.kernel == "pallas-gpu":
+            from pallas_kernels.gpu import ragged_paged_attention
+        else:
+            from pallas_kernels.tpu import ragged_paged_attention
+        out = ragged_paged_attention(
+            q,
+            pages.k,
+            pages.v,
+            meta.context_lens,
+            meta.page_tables,
+            meta.query_start_loc,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            interpret=self.interpret,
+        )
+        return out, pages
+
+
+REFERENCE = AttentionBackend()
+
+
+def resolve_attention_backend(name: str = "auto", platform: str | None = None) -> AttentionBackend:
+    """The backend for a name in ATTENTION_BACKENDS on `platform` (default: JAX's default backend)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    platform = platform or jax.default_backend()
+    if name == "reference" or (name == "auto" and platform == "cpu"):
+        return REFERENCE
+    if platform == "tpu":
+        return AttentionBackend("pallas-tpu")
+    return AttentionBackend("pallas-gpu", interpret=platform == "cpu")

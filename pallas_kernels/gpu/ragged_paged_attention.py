@@ -1,0 +1,243 @@
+"""Ragged paged attention for NVIDIA GPUs: Pallas kernels lowered through Triton.
+
+The flat query tokens of a mixed batch are cut into *rows*: runs of consecutive query tokens of one
+sequence. One program attends one row for one KV head, so all of the head's query heads (GQA) share
+each K/V tile: the query tile is [row tokens x query heads, head_dim].
+
+- Decode rows (sequences with one new token) are split-KV (flash-decoding): the context is divided
+  among `kv_splits` programs, which write partial outputs with their log-sum-exp; a small XLA
+  reduction merges them. Few long sequences still fill the GPU this way.
+- Prefill rows hold up to `block_q` tokens and walk their context in one program, skipping K/V blocks
+  past the causal limit of their last token or before the sliding window of their first.
+
+Both walk the context `pages_per_block` pages at a time with an online softmax in float32.
+
+Why Triton: it is the one Pallas GPU backend that covers every NVIDIA generation users serve on
+(T4 sm75, A100 sm80, L4 sm89, H100/H200 sm90); Mosaic GPU targets sm90+ only. JAX deprecates Triton
+lowering from 0.11 on, so jserve pins jax below that; a Mosaic GPU kernel for Hopper would join it
+behind the same contract.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+MASK_VALUE = -1e30  # finite: rows with nothing to attend to give zeros, not NaNs
+MIN_DOT = 16  # Triton's dot wants every dimension >= 16
+ROW_FIELDS = 4  # row metadata: first token, number of tokens, first token's position, sequence
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    context_lens: jax.Array,
+    page_tables: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+    block_q: int = 16,
+    pages_per_block: int | None = None,
+    kv_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
+    """q [T, heads, head_dim] over pages [P, page_size, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    page_size = k_pages.shape[1]
+    num_seqs, max_pages = page_tables.shape
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // page_size)  # 64-token K/V tiles
+    pages_per_block = min(pages_per_block, pl.next_power_of_2(max_pages))
+    num_blocks = pl.cdiv(max_pages, pages_per_block)
+    if kv_splits is None:
+        kv_splits = min(num_blocks, 8)
+    blocks_per_split = pl.cdiv(num_blocks, kv_splits)
+    # Pad page tables so every block of every split reads inside them (page 0 stands in; it is masked).
+    padded_pages = kv_splits * blocks_per_split * pages_per_block
+    tables = jnp.pad(page_tables, ((0, 0), (0, padded_pages - max_pages)))
+
+    starts = query_start_loc[:-1]
+    q_lens = query_start_loc[1:] - starts
+    first_pos = context_lens - q_lens  # position of each sequence's first new token
+    kernel_args = dict(
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        interpret=interpret,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+    # Prefill rows write straight into the (zeroed) output; decode rows come back per split.
+    prefill_rows = _prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
+    out = _attend_rows(q, k_pages, v_pages, tables, prefill_rows, jnp.zeros_like(q), block_q, 1, **kernel_args)
+
+    is_decode = q_lens == 1
+    decode_rows = jnp.stack([starts, is_decode.astype(jnp.int32), first_pos, jnp.arange(num_seqs)], axis=1)
+    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, decode_rows, None, 1, kv_splits, **kernel_args)
+    decode_out = _merge_splits(partial_out, lse).astype(q.dtype)  # [S, heads, head_dim]
+    return out.at[jnp.where(is_decode, starts, num_tokens)].set(decode_out, mode="drop")
+
+
+def _prefill_rows(starts, q_lens, first_pos, num_tokens: int, block_q: int) -> jax.Array:
+    """[R, ROW_FIELDS] rows of up to block_q tokens over the chunks of two or more tokens (R is static)."""
+    num_seqs = starts.shape[0]
+    max_rows = num_tokens // block_q + min(num_seqs, num_tokens // 2)  # each chunk adds <= 1 partial row
+    rows_per_seq = jnp.where(q_lens > 1, pl.cdiv(q_lens, block_q), 0)
+    row_ends = jnp.cumsum(rows_per_seq)
+    row = jnp.arange(max_rows)
+    seq = jnp.minimum(jnp.searchsorted(row_ends, row, side="right"), num_seqs - 1)
+    offset = (row - (row_ends[seq] - rows_per_seq[seq])) * block_q
+    count = jnp.where(row < row_ends[-1], jnp.clip(q_lens[seq] - offset, 0, block_q), 0)
+    return jnp.stack([starts[seq] + offset, count, first_pos[seq] + offset, seq], axis=1).astype(jnp.int32)
+
+
+def _merge_splits(partial_out: jax.Array, lse: jax.Array) -> jax.Array:
+    """Combine split-KV partials [S, splits, heads, head_dim] weighted by their log-sum-exps [S, splits, heads]."""
+    weights = jnp.exp(lse - lse.max(axis=1, keepdims=True))
+    weights = jnp.where(lse > MASK_VALUE / 2, weights, 0.0)  # splits that saw nothing
+    total = weights.sum(axis=1)
+    merged = (partial_out * weights[..., None]).sum(axis=1)
+    return merged / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+def _attend_rows(
+    q, k_pages, v_pages, tables, rows, out, block_q: int, kv_splits: int, *, interpret, num_warps, num_stages, **kw
+):
+    """Run the kernel over rows x kv heads x splits.
+
+    With one split it writes normalised outputs into `out` (aliased, in place) at the rows' tokens;
+    with several, one row per sequence, it returns (partials [R, splits, heads, D], lse [R, splits, heads]).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[2]
+    group = num_heads // num_kv_heads
+    # Query heads per KV head, padded to a power of two (and so the tile has >= MIN_DOT rows).
+    heads_tile = max(pl.next_power_of_2(group), pl.cdiv(MIN_DOT, block_q))
+    num_rows = rows.shape[0]
+    blocks_per_split = tables.shape[1] // kw["pages_per_block"] // kv_splits
+    kernel = functools.partial(
+        _row_kernel,
+        block_q=block_q,
+        group=group,
+        heads_tile=heads_tile,
+        blocks_per_split=blocks_per_split,
+        split_kv=kv_splits > 1,
+        **kw,
+    )
+    if kv_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+        aliases = {5: 0}
+        operands = (rows, tables, q, k_pages, v_pages, out)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((num_rows, kv_splits, num_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_rows, kv_splits, num_heads), jnp.float32),
+        )
+        aliases = {}
+        operands = (rows, tables, q, k_pages, v_pages)
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(num_rows, num_kv_heads, kv_splits),
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"ragged_paged_attention_{'decode' if kv_splits > 1 else 'prefill'}",
+    )(*operands)
+
+
+def _row_kernel(
+    rows_ref,  # [R, ROW_FIELDS] int32
+    tables_ref,  # [S, padded_pages] int32
+    q_ref,  # [T, heads, D]
+    k_ref,  # [P, page_size, kv_heads, D]
+    v_ref,
+    *out_refs,  # prefill: (aliased input, out [T, heads, D]); decode: (partials, lse)
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    page_size: int,
+    pages_per_block: int,
+    blocks_per_split: int,
+    block_q: int,
+    group: int,
+    heads_tile: int,
+    split_kv: bool,
+):
+    row, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first_token, count, first_pos, seq = (rows_ref[row, i] for i in range(ROW_FIELDS))
+    head_dim = q_ref.shape[-1]
+    block_k = pages_per_block * page_size
+    tile = block_q * heads_tile
+
+    # The query tile: block_q tokens x heads_tile heads, row-major, flattened to [tile, D].
+    token_in_row = jnp.arange(tile) // heads_tile
+    head_in_group = jnp.arange(tile) % heads_tile
+    valid = (token_in_row < count) & (head_in_group < group)
+    q_pos = jnp.where(valid, first_pos + token_in_row, -1)  # -1 attends to nothing
+    tokens, heads = pl.ds(first_token, block_q), pl.ds(kv_head * group, heads_tile)
+    q_mask = valid.reshape(block_q, heads_tile, 1)
+    q = plt.load(q_ref.at[tokens, heads, :], mask=q_mask, other=0).reshape(tile, head_dim)
+
+    # K/V blocks this program visits: its split, cut to [window start, causal end) of the row.
+    kv_end = jnp.where(count > 0, first_pos + count, 0)
+    kv_start = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+    lo = jnp.maximum(split * blocks_per_split, kv_start // block_k)
+    hi = jnp.minimum((split + 1) * blocks_per_split, pl.cdiv(kv_end, block_k))
+
+    def visit(block, carry):
+        running_max, denom, acc = carry
+        pages = tables_ref[seq, pl.ds(block * pages_per_block, pages_per_block)]
+        k = k_ref[pages, :, kv_head, :].reshape(block_k, head_dim)
+        v = v_ref[pages, :, kv_head, :].reshape(block_k, head_dim)
+        scores = _dot(q, k.T) * scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        kv_pos = block * block_k + jnp.arange(block_k)
+        mask = kv_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = jnp.where(mask, scores, MASK_VALUE)
+        new_max = jnp.maximum(running_max, scores.max(axis=1))
+        probs = jnp.where(mask, jnp.exp(scores - new_max[:, None]), 0.0)
+        correction = jnp.exp(running_max - new_max)
+        denom = denom * correction + probs.sum(axis=1)
+        acc = acc * correction[:, None] + _dot(probs.astype(v.dtype), v)
+        return new_max, denom, acc
+
+    init = (
+        jnp.full((tile,), MASK_VALUE, jnp.float32),
+        jnp.zeros((tile,), jnp.float32),
+        jnp.zeros((tile, head_dim), jnp.float32),
+    )
+    running_max, denom, acc = jax.lax.fori_loop(lo, hi, visit, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+
+    if split_kv:  # one token per row: store the partial and its log-sum-exp per query head
+        partial_ref, lse_ref = out_refs
+        head_mask = valid[:heads_tile]
+        lse = jnp.where(denom > 0, running_max + jnp.log(jnp.where(denom > 0, denom, 1.0)), MASK_VALUE)
+        plt.store(partial_ref.at[row, split, heads, :], out[:heads_tile], mask=head_mask[:, None])
+        plt.store(lse_ref.at[row, split, heads], lse[:heads_tile], mask=head_mask)
+    else:
+        out_ref = out_refs[1]
+        out = out.reshape(block_q, heads_tile, head_dim).astype(out_ref.dtype)
+        plt.store(out_ref.at[tokens, heads, :], out, mask=q_mask)
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32-accumulated matmul; float32 inputs keep full precision (no TF32)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
