@@ -3,10 +3,10 @@ no pages leaked, salts isolated."""
 
 import numpy as np
 import pytest
-from test_engine import GREEDY, prompts, tiny_llm, token_ids
 
 from jserve import SamplingParams
 
+from test_engine import GREEDY, prompts, tiny_llm, token_ids
 from tiny_models import VOCAB_SIZE, assert_engine_idle, tiny_kv_bytes
 
 SYSTEM = np.random.default_rng(42).integers(0, VOCAB_SIZE, 70).tolist()  # a shared "system prompt"

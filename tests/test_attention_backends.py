@@ -1,0 +1,56 @@
+"""Choosing the attention backend, and the engine running on the Pallas kernels (interpret mode on CPU)."""
+
+import pytest
+
+from jserve import SamplingParams
+from jserve.attention import REFERENCE, AttentionBackend, resolve_attention_backend
+
+from test_engine import GREEDY, prompts, tiny_llm, token_ids
+from tiny_models import VARIANTS, assert_engine_idle, reference_greedy, save_tiny_checkpoint
+
+
+@pytest.mark.parametrize(
+    "name,platform,expected",
+    [
+        ("auto", "cpu", REFERENCE),
+        ("auto", "gpu", AttentionBackend("pallas-gpu")),
+        ("auto", "tpu", AttentionBackend("pallas-tpu")),
+        ("reference", "gpu", REFERENCE),
+        ("pallas", "cpu", AttentionBackend("pallas-gpu", interpret=True)),
+    ],
+)
+def test_backend_resolution(name, platform, expected):
+    assert resolve_attention_backend(name, platform) == expected
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_attention_backend("flash")
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral-sliding", "qwen3", "llama-tied-mqa"])
+def test_engine_on_pallas_kernels_matches_transformers_and_reference(tmp_path, variant):
+    """Greedy tokens through the Pallas kernels equal transformers' and the reference backend's, with
+    prompts long enough to be prefilled in chunks beside other requests' decodes."""
+    family, overrides = VARIANTS[variant]
+    hf_model = save_tiny_checkpoint(tmp_path, family, **overrides)
+    batch = prompts(6, seed=11, low=5, high=90)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    pallas = tiny_llm(tmp_path, attention_backend="pallas", max_num_batched_tokens=32)
+    assert pallas.engine.runner.attention == AttentionBackend("pallas-gpu", interpret=True)
+    got = token_ids(pallas.generate(batch, params, use_tqdm=False))
+    assert_engine_idle(pallas)
+    assert got == token_ids(tiny_llm(tmp_path, max_num_batched_tokens=32).generate(batch, params, use_tqdm=False))
+    assert got == [reference_greedy(hf_model, p, params.max_tokens) for p in batch]
+
+
+def test_pallas_output_does_not_depend_on_the_batch(tiny_llama_checkpoint):
+    llm = tiny_llm(tiny_llama_checkpoint[0], attention_backend="pallas", enable_prefix_caching=True)
+    probe = prompts(1, seed=1)[0]
+    alone = token_ids(llm.generate([probe], GREEDY, use_tqdm=False))[0]
+    crowd = prompts(11, seed=2, low=3, high=120)
+    outputs = llm.generate(crowd[:5] + [probe] + crowd[5:], GREEDY, use_tqdm=False)
+    assert outputs[5].outputs[0].token_ids == alone
+    # Again, now reading the probe's prefix from the cache.
+    assert token_ids(llm.generate([probe], GREEDY, use_tqdm=False))[0] == alone
+    assert_engine_idle(llm)
