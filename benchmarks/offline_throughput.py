@@ -18,10 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jserve import LLM, SamplingParams
+from jserve.attention import ATTENTION_BACKENDS
+from jserve.engine.args import DTYPES
 from jserve.loader.default_model import default_model_path
+from jserve.loader.random_weights import MODEL_SHAPES
 
 
 @dataclass
@@ -153,6 +157,15 @@ def main() -> None:
         return hf_worker()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--random-weights",
+        choices=MODEL_SHAPES,
+        default=None,
+        metavar="SHAPE",
+        help=f"a random-weight model of a named shape instead of --model: {', '.join(MODEL_SHAPES)}",
+    )
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 elsewhere")
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(112, 144), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(128, 128), metavar=("MIN", "MAX"))
@@ -166,9 +179,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    if args.random_weights and args.baseline:
+        parser.error("--baseline needs a real checkpoint, not --random-weights")
+    model = f"random:{args.random_weights}" if args.random_weights else args.model
     start = time.perf_counter()
-    llm = LLM(args.model, dtype="float32", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+              attention_backend=args.attention_backend)  # fmt: skip
     print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets): {time.perf_counter() - start:.1f}s")
     work = make_workload(args, llm.engine.model.config.vocab_size)
     llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
@@ -186,7 +203,8 @@ def main() -> None:
         model_path = default_model_path() if args.model is None else Path(args.model)
         results.append(run_hf(model_path, work, args.baseline_requests))
     print(f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
-          f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, float32")  # fmt: skip
+          f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, {llm.engine.model.dtype.name}, "
+          f"attention {llm.engine.runner.attention.kernel}, {jax.devices()[0].device_kind}")  # fmt: skip
     report(results)
 
 

@@ -5,6 +5,7 @@ import shutil
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf.quants import dequantize, quantize
@@ -12,6 +13,8 @@ from gguf.quants import dequantize, quantize
 from jserve.cli import main as cli_main
 from jserve.errors import ModelLoadError
 from jserve.loader import load_model
+from jserve.loader.random_weights import MODEL_SHAPES
+from jserve.loader.weights import param_name
 
 from tiny_models import VARIANTS, jserve_prompt_logits, save_tiny_checkpoint, write_gguf
 
@@ -209,3 +212,17 @@ def test_unsupported_gguf_tensor_type(tmp_path, llama_folder):
     write_gguf(torch_model, folder, tmp_path / "f64.gguf", float_dtype=np.float64)
     with pytest.raises(ModelLoadError, match="f64.gguf: tensor 'token_embd.weight' has unsupported GGUF type F64"):
         load_model(tmp_path / "f64.gguf")
+
+
+def test_random_weights_of_a_named_shape():
+    loaded = load_model("random:smollm2-135m", dtype="bfloat16")
+    assert loaded.config == MODEL_SHAPES["smollm2-135m"]
+    assert loaded.source.kind == "random"
+    params = dict(jax.tree_util.tree_flatten_with_path(loaded.params)[0])
+    norms = [leaf for path, leaf in params.items() if param_name(path).endswith("norm.weight")]
+    weights = [leaf for path, leaf in params.items() if not param_name(path).endswith("norm.weight")]
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in params.values())
+    assert all(bool((leaf == 1).all()) for leaf in norms)
+    assert all(0.015 < float(jnp.std(leaf.astype(jnp.float32))) < 0.025 for leaf in weights)
+    with pytest.raises(ModelLoadError, match="unknown model shape"):
+        load_model("random:gpt-5")

@@ -13,8 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve.config import ModelConfig, read_hf_config
+from jserve.loader.default_model import default_model_path
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
 from jserve.loader.orbax_io import load_orbax, read_orbax_config, save_orbax
+from jserve.loader.random_weights import random_params, shape_config
 from jserve.loader.resolve import ModelSource, resolve_model
 from jserve.loader.safetensors_source import count_tensors, iter_safetensors, safetensors_files
 from jserve.loader.weights import assemble
@@ -49,7 +51,7 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
 
 def load_model(model: str | os.PathLike | None = None, dtype: str = "auto") -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder or hub id
-    in the local HF cache, or a `jserve convert` folder."""
+    in the local HF cache, a `jserve convert` folder, or `random:<shape>` (random weights, see MODEL_SHAPES)."""
     target_dtype = resolve_dtype(dtype)
     source = resolve_model(model)
     start = time.perf_counter()
@@ -66,6 +68,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto") -> L
         graphdef, params = assemble(
             config, iter_safetensors(files), target_dtype, source.path.name, total=count_tensors(files)
         )
+    elif source.kind == "random":
+        config = shape_config(source.path.name)
+        tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+        graphdef, params = random_params(config, target_dtype)
     else:
         config, _ = read_orbax_config(source.path)
         tokenizer = Tokenizer.from_folder(source.path)

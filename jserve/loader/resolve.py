@@ -8,6 +8,7 @@ from pathlib import Path
 
 from jserve.errors import ModelLoadError
 from jserve.loader.default_model import default_model_path
+from jserve.loader.random_weights import PREFIX as RANDOM_PREFIX
 
 ORBAX_MARKER = "jserve_config.json"
 LOCAL_FORMS = (
@@ -17,7 +18,7 @@ LOCAL_FORMS = (
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "gguf" | "hf" | "orbax"
+    kind: str  # "gguf" | "hf" | "orbax" | "random" (path: the shape name)
     path: Path
 
 
@@ -43,6 +44,8 @@ def find_in_hf_cache(repo_id: str) -> Path | None:
 def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     if model is None:
         return ModelSource("gguf", default_model_path())
+    if str(model).startswith(RANDOM_PREFIX):
+        return ModelSource("random", Path(str(model).removeprefix(RANDOM_PREFIX)))
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":

@@ -1,0 +1,64 @@
+"""Random-weight models of named real shapes (`random:llama3-8b`): for measuring speed on a model whose
+checkpoint is not at hand. Weights are drawn on the device, so an 8B model never passes through host memory.
+The default model's tokenizer stands in; ids past its vocabulary decode to nothing."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jserve.config import ModelConfig, RopeScaling
+from jserve.errors import ModelLoadError
+from jserve.loader.weights import abstract_model, param_name
+
+PREFIX = "random:"
+_LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                           original_max_position_embeddings=8192)  # fmt: skip
+
+MODEL_SHAPES: dict[str, ModelConfig] = {
+    "llama3-8b": ModelConfig(
+        family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        rope_scaling=_LLAMA3_ROPE,
+    ),
+    "qwen2.5-7b": ModelConfig(
+        family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        qkv_bias=True,
+    ),
+    "smollm2-135m": ModelConfig(
+        family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+
+def shape_config(model: str) -> ModelConfig:
+    """The config for `random:<shape>`."""
+    name = model.removeprefix(PREFIX)
+    if name not in MODEL_SHAPES:
+        raise ModelLoadError(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
+    return MODEL_SHAPES[name]
+
+
+def random_params(config: ModelConfig, dtype, seed: int = 0):
+    """(graphdef, params): norms at one, every other weight normal with std 0.02 (activations stay finite)."""
+    graphdef, abstract = abstract_model(config, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def draw(path, leaf, key):
+        if param_name(path).endswith("norm.weight"):
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return _normal(key, leaf.shape, leaf.dtype)
+
+    params = [draw(path, leaf, key) for (path, leaf), key in zip(leaves, keys, strict=True)]
+    return graphdef, jax.tree_util.tree_unflatten(treedef, params)
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    return 0.02 * jax.random.normal(key, shape, dtype)
