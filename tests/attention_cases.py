@@ -10,12 +10,15 @@ import numpy as np
 
 from jserve.attention import AttentionMetadata, KVPages, SequenceChunk, build_model_input, paged_attention
 
-# (new query tokens, tokens already cached) per sequence. Contexts end mid-page, and slot (0, 0) is empty.
-DECODE = [(1, 9), (1, 40), (1, 100), (0, 0), (1, 1)]
-PREFILL = [(7, 0), (37, 20), (0, 0), (2, 0), (19, 5)]
+# (new query tokens, tokens already cached) per sequence: first tokens, contexts ending mid-page, long
+# contexts, chunks continuing mid-page over several query blocks, page-aligned chunks, two-token chunks;
+# (0, 0) is an empty sequence slot mid-batch.
+DECODE = [(1, 0), (1, 9), (0, 0), (1, 70), (1, 31), (1, 140)]
+PREFILL = [(7, 0), (37, 20), (2, 0), (0, 0), (20, 69), (16, 32)]
 MIXED = [(1, 9), (7, 0), (5, 8), (0, 0), (1, 70), (37, 20), (2, 0)]
 BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
-PAD_TOKENS = 3  # trailing padding query tokens, which must come back as zeros
+PAD_TOKENS = 5  # trailing padding query tokens, which must come back as zeros
+PAD_SEQS = 2  # trailing empty sequence slots
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
@@ -65,7 +68,7 @@ def make_case(
         for (new, cached), n in zip(sequences, used, strict=True)
     ]
     num_tokens = sum(new for new, _ in sequences) + PAD_TOKENS
-    batch = build_model_input(chunks, page_size, num_tokens, len(sequences) + 1, max(used) + 1)
+    batch = build_model_input(chunks, page_size, num_tokens, len(sequences) + PAD_SEQS, max(used, default=0) + 2)
 
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), dtype)
