@@ -1,12 +1,21 @@
 """Choosing the attention backend, and the engine running on the Pallas kernels (interpret mode on CPU)."""
 
+import numpy as np
 import pytest
 
 from jserve import SamplingParams
 from jserve.attention import REFERENCE, AttentionBackend, resolve_attention_backend
+from jserve.loader import load_model
 
 from test_engine import GREEDY, prompts, tiny_llm, token_ids
-from tiny_models import VARIANTS, assert_engine_idle, reference_greedy, save_tiny_checkpoint
+from tiny_models import (
+    VARIANTS,
+    assert_engine_idle,
+    jserve_prompt_logits,
+    reference_greedy,
+    reference_logits,
+    save_tiny_checkpoint,
+)
 
 
 @pytest.mark.parametrize(
@@ -54,3 +63,12 @@ def test_pallas_output_does_not_depend_on_the_batch(tiny_llama_checkpoint):
     # Again, now reading the probe's prefix from the cache.
     assert token_ids(llm.generate([probe], GREEDY, use_tqdm=False))[0] == alone
     assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("kernel", ["pallas-gpu", "pallas-tpu"])
+def test_model_logits_through_each_kernel_match_transformers(tmp_path, kernel):
+    """Both kernels (interpret mode) inside the model: prompt logits within 1e-4 of transformers'."""
+    hf_model = save_tiny_checkpoint(tmp_path, "qwen3", **VARIANTS["qwen3"][1])
+    prompt = prompts(1, seed=5, low=40, high=41)[0]
+    logits = jserve_prompt_logits(load_model(tmp_path, dtype="float32"), prompt, AttentionBackend(kernel, True))
+    np.testing.assert_allclose(logits, reference_logits(hf_model, prompt), atol=1e-4)

@@ -220,9 +220,9 @@ def assert_engine_idle(llm) -> None:
     assert scheduler.pool.num_free + cached == engine.config.num_pages
 
 
-def jserve_prompt_logits(model, prompt_ids: list[int]) -> np.ndarray:
+def jserve_prompt_logits(model, prompt_ids: list[int], attention=None) -> np.ndarray:
     """jserve's float32 logits [len(prompt), vocab] at every prompt position, from one model step."""
-    from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
+    from jserve.attention import REFERENCE, SequenceChunk, allocate_kv_cache, build_model_input
     from jserve.models import forward_step
 
     n, page_size = len(prompt_ids), 16
@@ -230,5 +230,5 @@ def jserve_prompt_logits(model, prompt_ids: list[int]) -> np.ndarray:
     kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype)
     padded = max(16, 1 << (n - 1).bit_length())
     batch = build_model_input([SequenceChunk(np.asarray(prompt_ids), 0, pages)], page_size, padded, 1, len(pages), True)
-    logits, _ = forward_step(model.graphdef, model.params, kv, batch)
+    logits, _ = forward_step(model.graphdef, model.params, kv, batch, attention=attention or REFERENCE)
     return np.asarray(logits)

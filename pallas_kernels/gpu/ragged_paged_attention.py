@@ -117,8 +117,9 @@ def _attend_rows(
 ):
     """Run the kernel over rows x kv heads x splits.
 
-    With one split it writes normalised outputs into `out` (aliased, in place) at the rows' tokens;
-    with several, one row per sequence, it returns (partials [R, splits, heads, D], lse [R, splits, heads]).
+    Given `out` (prefill rows, one split), it writes normalised outputs into it (aliased, in place) at the
+    rows' tokens; otherwise (decode rows, one token each) it returns (partials [R, splits, heads, D],
+    their log-sum-exps [R, splits, heads]).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
@@ -133,10 +134,10 @@ def _attend_rows(
         group=group,
         heads_tile=heads_tile,
         blocks_per_split=blocks_per_split,
-        split_kv=kv_splits > 1,
+        split_kv=out is None,
         **kw,
     )
-    if kv_splits == 1:
+    if out is not None:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
         aliases = {5: 0}
         operands = (rows, tables, q, k_pages, v_pages, out)
@@ -154,7 +155,7 @@ def _attend_rows(
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"ragged_paged_attention_{'decode' if kv_splits > 1 else 'prefill'}",
+        name=f"ragged_paged_attention_{'prefill' if out is not None else 'decode'}",
     )(*operands)
 
 
