@@ -15,13 +15,17 @@ The K/V write stays an XLA scatter for every backend: with the cache donated it 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import partial
 
 import jax
+from jax.sharding import Mesh, PartitionSpec
 
 from jserve.attention.kv_cache import KVPages
 from jserve.attention.metadata import AttentionMetadata
 from jserve.attention.reference import paged_attention, write_kv
+from jserve.parallel import MODEL_AXIS, kv_cache_spec
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 
@@ -32,6 +36,7 @@ class AttentionBackend:
 
     kernel: str = "reference"  # "reference", "pallas-gpu" or "pallas-tpu"
     interpret: bool = False  # run the Pallas kernel in interpret mode (on CPU)
+    mesh: Mesh | None = None  # tensor parallelism: each device attends its own heads (shard_map)
 
     def __call__(
         self,
@@ -46,6 +51,16 @@ class AttentionBackend:
         soft_cap: float | None = None,
     ) -> tuple[jax.Array, KVPages]:
         """-> (attention output [T, heads, head_dim] in q's dtype, pages with the new K/V written)."""
+        local = partial(self._attend, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        if self.mesh is None:
+            return local(q, k, v, pages, meta)
+        heads = PartitionSpec(None, MODEL_AXIS, None)
+        kv = KVPages(kv_cache_spec(), kv_cache_spec())
+        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, kv, PartitionSpec()),
+                                out_specs=(heads, kv), check_vma=False)  # fmt: skip
+        return sharded(q, k, v, pages, meta)
+
+    def _attend(self, q, k, v, pages: KVPages, meta: AttentionMetadata, *, scale, sliding_window, soft_cap):
         pages = write_kv(pages, k, v, meta.slot_mapping)
         if self.kernel == "reference":
             return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
@@ -71,8 +86,15 @@ class AttentionBackend:
 REFERENCE = AttentionBackend()
 
 
-def resolve_attention_backend(name: str = "auto", platform: str | None = None) -> AttentionBackend:
-    """The backend for a name in ATTENTION_BACKENDS on `platform` (default: JAX's default backend)."""
+def resolve_attention_backend(
+    name: str = "auto", platform: str | None = None, mesh: Mesh | None = None
+) -> AttentionBackend:
+    """The backend for a name in ATTENTION_BACKENDS on `platform` (default: JAX's default backend),
+    run per device over `mesh` when the model is tensor-parallel."""
+    return dataclasses.replace(_backend_for(name, platform), mesh=mesh)
+
+
+def _backend_for(name: str, platform: str | None) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     platform = platform or jax.default_backend()

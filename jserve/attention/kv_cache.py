@@ -24,9 +24,13 @@ class KVPages:
 KVCache = tuple[KVPages, ...]  # one entry per layer
 
 
-def allocate_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
+def allocate_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> KVCache:
+    """Zeroed pages for every layer, on the default device or laid out by `sharding` (split by KV head)."""
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
-    return tuple(KVPages(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
+    return tuple(
+        KVPages(jnp.zeros(shape, dtype, device=sharding), jnp.zeros(shape, dtype, device=sharding))
+        for _ in range(config.num_layers)
+    )
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype) -> int:

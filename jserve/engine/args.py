@@ -15,6 +15,7 @@ from jserve.engine.config import resolve_engine_config
 from jserve.engine.engine import LLMEngine
 from jserve.loader import load_model
 from jserve.loader.default_model import cache_dir
+from jserve.parallel import make_mesh
 
 log = logging.getLogger("jserve")
 
@@ -43,11 +44,10 @@ class EngineArgs:
     attention_backend: str = "auto"  # "reference" (plain JAX) or "pallas" kernels; auto: pallas off CPU
 
     def create_engine(self) -> LLMEngine:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not available yet (tensor parallelism is issue #7)")
         start = time.perf_counter()
         enable_compilation_cache()
-        loaded = load_model(self.model, dtype=self.dtype)
+        mesh = make_mesh(self.tensor_parallel_size)
+        loaded = load_model(self.model, dtype=self.dtype, mesh=mesh)
         config = resolve_engine_config(
             loaded.config,
             loaded.dtype,
@@ -60,6 +60,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             schedule_policy=self.schedule_policy,
             attention_backend=self.attention_backend,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
         engine = LLMEngine(loaded, config)
         log.info("Engine ready in %.1fs", time.perf_counter() - start)
@@ -82,7 +83,8 @@ class EngineArgs:
                             help="share computed KV pages between requests with the same prefix")  # fmt: skip
         parser.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
                             help="admission order: arrival, or longest cached prefix first")  # fmt: skip
-        parser.add_argument("--tensor-parallel-size", type=int, default=1)
+        parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                            help="devices to split each layer's heads and MLP over")  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                             help="auto: Pallas kernels on GPU/TPU, the plain-JAX reference on CPU")  # fmt: skip

@@ -72,7 +72,10 @@ def resolve_engine_config(
     enable_prefix_caching: bool = True,
     schedule_policy: str = "fcfs",
     attention_backend: str = "auto",
+    tensor_parallel_size: int = 1,
 ) -> EngineConfig:
+    """`model` is the config as built (KV heads replicated for tensor parallelism); kv_cache_memory is
+    per device, and each device holds 1/tensor_parallel_size of every page."""
     on_cpu = jax.default_backend() == "cpu"
     max_model_len = max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -83,7 +86,7 @@ def resolve_engine_config(
                         ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    page_bytes = page_size * kv_cache_bytes_per_token(model, dtype)
+    page_bytes = page_size * kv_cache_bytes_per_token(model, dtype) // tensor_parallel_size
     memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory()
     num_pages = memory // page_bytes
     if kv_cache_memory is None:  # never more than every sequence slot at full length could use

@@ -12,6 +12,7 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
@@ -19,8 +20,9 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.sampler import SamplerOutput, SamplingRow, build_sampling_batch, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence
 from jserve.engine.stats import EngineStats
-from jserve.engine.step import PenaltyUpdate, StepInput, engine_step
+from jserve.engine.step import PenaltyUpdate, StepInput, jit_engine_step
 from jserve.loader import LoadedModel
+from jserve.parallel import kv_cache_spec
 
 log = logging.getLogger("jserve")
 
@@ -29,10 +31,24 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, config: EngineConfig, stop_ids: frozenset[int]):
         self.model, self.config = model, config
         self.stop_ids = stop_ids
-        self.kv_cache = allocate_kv_cache(model.config, config.num_pages, config.page_size, model.dtype)
-        self.penalty_state = init_penalty_state(config.max_num_seqs, model.config.vocab_size)
-        self.attention = resolve_attention_backend(config.attention_backend)
-        log.info("Attention: %s%s", self.attention.kernel, " (interpret mode)" if self.attention.interpret else "")
+        mesh = model.mesh
+        # With a mesh, the cache is split by KV head and the host's batch arrays are replicated; the
+        # shardings are made once here, so every step sees the same ones (no recompiles).
+        kv_sharding = NamedSharding(mesh, kv_cache_spec()) if mesh else None
+        self.input_sharding = NamedSharding(mesh, PartitionSpec()) if mesh else None
+        self.kv_cache = allocate_kv_cache(model.config, config.num_pages, config.page_size, model.dtype, kv_sharding)
+        self.penalty_state = jax.device_put(
+            init_penalty_state(config.max_num_seqs, model.config.vocab_size), self.input_sharding
+        )
+        self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
+        # Samples and penalty state replicated, the cache as allocated.
+        self.step_fn = jit_engine_step((self.input_sharding, kv_sharding, self.input_sharding) if mesh else None)
+        log.info(
+            "Attention: %s%s%s",
+            self.attention.kernel,
+            " (interpret mode)" if self.attention.interpret else "",
+            f", tensor-parallel over {mesh.size} devices" if mesh else "",
+        )
         self.executables: dict[int, jax.stages.Compiled] = {}
 
     def warm_up(self) -> None:
@@ -40,8 +56,8 @@ class ModelRunner:
         a first execution pays one-off costs of its own that would otherwise land on a request."""
         start = time.perf_counter()
         for bucket in tqdm(self.config.token_buckets, desc="Compiling step buckets", unit="bucket"):
-            step = jax.device_put(self.prepare([], bucket))
-            lowered = engine_step.lower(
+            step = jax.device_put(self.prepare([], bucket), self.input_sharding)
+            lowered = self.step_fn.lower(
                 self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state, step
             )
             self.executables[bucket] = lowered.compile()
@@ -66,7 +82,7 @@ class ModelRunner:
         step = self.prepare(sequences, bucket)
         dispatched = time.perf_counter()
         out, self.kv_cache, self.penalty_state = self.executables[bucket](
-            self.model.params, self.kv_cache, self.penalty_state, jax.device_put(step)
+            self.model.params, self.kv_cache, self.penalty_state, jax.device_put(step, self.input_sharding)
         )
         out = jax.device_get(out)
         stats.host_s += dispatched - start

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 from flax import nnx
@@ -32,7 +31,6 @@ class StepInput:
     penalties: PenaltyUpdate
 
 
-@partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3, 4))
 def engine_step(
     graphdef: nnx.GraphDef,
     attention: AttentionBackend,
@@ -47,3 +45,9 @@ def engine_step(
         penalty_state, step.model.token_ids, p.token_slots, p.is_output, p.valid, p.reset_slots, p.reset
     )
     return sample(logits, step.sampling, penalty_state), kv_cache, penalty_state
+
+
+def jit_engine_step(out_shardings=None):
+    """engine_step compiled with the KV cache and penalty state donated. With tensor parallelism the
+    runner pins the output shardings to the input ones, so donated state keeps its layout step to step."""
+    return jax.jit(engine_step, static_argnums=(0, 1), donate_argnums=(3, 4), out_shardings=out_shardings)

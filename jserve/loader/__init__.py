@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jserve.config import ModelConfig, read_hf_config
 from jserve.loader.default_model import default_model_path
@@ -20,6 +21,7 @@ from jserve.loader.random_weights import random_params, shape_config
 from jserve.loader.resolve import ModelSource, resolve_model
 from jserve.loader.safetensors_source import count_tensors, iter_safetensors, safetensors_files
 from jserve.loader.weights import assemble
+from jserve.parallel import WeightPlacement
 from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jserve")
@@ -35,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: jnp.dtype
     source: ModelSource
+    mesh: Mesh | None = None  # tensor parallelism: the devices the weights are split over
 
     def save_orbax(self, folder: str | os.PathLike) -> None:
         save_orbax(self.config, self.params, self.tokenizer, self.dtype, Path(folder))
@@ -49,7 +52,7 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
     return jnp.dtype(DTYPES[dtype])
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str = "auto") -> LoadedModel:
+def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder or hub id
     in the local HF cache, a `jserve convert` folder, or `random:<shape>` (random weights, see MODEL_SHAPES)."""
     target_dtype = resolve_dtype(dtype)
@@ -60,25 +63,29 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto") -> L
         config = gguf_config(reader, source.path)
         tokenizer = Tokenizer.from_gguf(reader)
         tensors = iter_gguf_tensors(reader, config, source.path)
-        graphdef, params = assemble(config, tensors, target_dtype, source.path.name, total=len(reader.tensors))
+        placement = WeightPlacement.create(config, mesh)
+        graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total=len(reader.tensors))
     elif source.kind == "hf":
         config = read_hf_config(source.path)
         tokenizer = Tokenizer.from_folder(source.path)
         files = safetensors_files(source.path)
+        placement = WeightPlacement.create(config, mesh)
         graphdef, params = assemble(
-            config, iter_safetensors(files), target_dtype, source.path.name, total=count_tensors(files)
+            placement, iter_safetensors(files), target_dtype, source.path.name, total=count_tensors(files)
         )
     elif source.kind == "random":
         config = shape_config(source.path.name)
         tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
-        graphdef, params = random_params(config, target_dtype)
+        placement = WeightPlacement.create(config, mesh)
+        graphdef, params = random_params(placement, target_dtype)
     else:
         config, _ = read_orbax_config(source.path)
         tokenizer = Tokenizer.from_folder(source.path)
-        graphdef, params = load_orbax(source.path, config, target_dtype)
+        placement = WeightPlacement.create(config, mesh)
+        graphdef, params = load_orbax(source.path, placement, target_dtype)
     log.info(
         "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s",
         config.family, source.path, source.kind, time.perf_counter() - start, config.num_layers,
         sum(x.size for x in jax.tree.leaves(params)) / 1e6, target_dtype.name,
     )  # fmt: skip
-    return LoadedModel(config, graphdef, params, tokenizer, target_dtype, source)
+    return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh)

@@ -17,7 +17,8 @@ from flax import nnx
 from jserve.config import ModelConfig
 from jserve.errors import ModelLoadError
 from jserve.loader.resolve import ORBAX_MARKER
-from jserve.loader.weights import abstract_model
+from jserve.loader.weights import abstract_model, param_name
+from jserve.parallel import WeightPlacement
 
 FORMAT_VERSION = 1
 
@@ -47,8 +48,18 @@ def read_orbax_config(folder: Path) -> tuple[ModelConfig, str]:
         raise ModelLoadError(f"{path}: not a valid jserve checkpoint description ({err!r})") from None
 
 
-def load_orbax(folder: Path, config: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    graphdef, abstract = abstract_model(config, dtype)
+def load_orbax(folder: Path, placement: WeightPlacement, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """Restore params; with a mesh, Orbax reads each device's shard straight onto it."""
+    if placement.config != placement.original:
+        raise ModelLoadError(
+            f"{folder}: replicating KV heads over tensor_parallel_size {placement.mesh.size} needs the original "
+            "checkpoint (GGUF or Hugging Face), not a `jserve convert` folder"
+        )
+    graphdef, abstract = abstract_model(placement.config, dtype)
+    abstract = jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.sharding(param_name(path))),
+        abstract,
+    )
     target = nnx.to_pure_dict(abstract)
     try:
         with ocp.StandardCheckpointer() as checkpointer:

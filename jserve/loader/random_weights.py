@@ -4,7 +4,7 @@ The default model's tokenizer stands in; ids past its vocabulary decode to nothi
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jserve.config import ModelConfig, RopeScaling
 from jserve.errors import ModelLoadError
 from jserve.loader.weights import abstract_model, param_name
+from jserve.parallel import WeightPlacement
 
 PREFIX = "random:"
 _LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -44,21 +45,25 @@ def shape_config(model: str) -> ModelConfig:
     return MODEL_SHAPES[name]
 
 
-def random_params(config: ModelConfig, dtype, seed: int = 0):
-    """(graphdef, params): norms at one, every other weight normal with std 0.02 (activations stay finite)."""
-    graphdef, abstract = abstract_model(config, dtype)
+def random_params(placement: WeightPlacement, dtype, seed: int = 0):
+    """(graphdef, params): norms at one, every other weight normal with std 0.02 (activations stay finite),
+    each drawn where the placement puts it (with a mesh, every device draws only its shard)."""
+    graphdef, abstract = abstract_model(placement.config, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 
     def draw(path, leaf, key):
-        if param_name(path).endswith("norm.weight"):
-            return jnp.ones(leaf.shape, leaf.dtype)
-        return _normal(key, leaf.shape, leaf.dtype)
+        name = param_name(path)
+        std = 1.0 if name.endswith("norm.weight") else 0.02
+        return _draw(leaf.shape, jnp.dtype(leaf.dtype), std, placement.sharding(name))(key)
 
     params = [draw(path, leaf, key) for (path, leaf), key in zip(leaves, keys, strict=True)]
     return graphdef, jax.tree_util.tree_unflatten(treedef, params)
 
 
-@partial(jax.jit, static_argnums=(1, 2))
-def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-    return 0.02 * jax.random.normal(key, shape, dtype)
+@cache
+def _draw(shape: tuple[int, ...], dtype, std: float, sharding):
+    """A compiled sampler per (shape, dtype, kind, sharding): ones for norms (std 1.0), else N(0, std)."""
+    if std == 1.0:
+        return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: std * jax.random.normal(key, shape, dtype), out_shardings=sharding)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from jserve.config import ModelConfig
 from jserve.errors import ModelLoadError
 from jserve.models import CausalLM
+from jserve.parallel import WeightPlacement
 
 
 def param_name(path) -> str:
@@ -34,11 +35,17 @@ def expected_params(state: nnx.State) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def assemble(
-    config: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype, source: str, total: int | None = None
+    placement: WeightPlacement,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    dtype,
+    source: str,
+    total: int | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params) for `config` from (name, array) pairs; names may carry the HF `model.` prefix."""
+    """(graphdef, params) for the placement's config from (name, array) pairs checked against the
+    checkpoint's config; names may carry the HF `model.` prefix."""
+    config = placement.config
     graphdef, abstract = abstract_model(config, dtype)
-    expected = expected_params(abstract)
+    expected = expected_params(abstract_model(placement.original, dtype)[1])  # shapes as the checkpoint has them
     loaded: dict[str, jax.Array] = {}
     for name, array in tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False):
         key = name.removeprefix("model.")
@@ -54,7 +61,7 @@ def assemble(
                 f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                 f"expected {tuple(want.shape)} from the config"
             )
-        loaded[key] = jax.device_put(np.asarray(array, dtype=want.dtype))
+        loaded[key] = placement.put(key, np.asarray(array, dtype=want.dtype))
     missing = sorted(set(expected) - set(loaded))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -1,0 +1,74 @@
+"""Runs in a subprocess with several host CPU devices (XLA_FLAGS must be set before jax is imported):
+one model at several tensor-parallel sizes; prints JSON with greedy tokens, prompt logits and per-device bytes.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_worker.py MODEL TP [TP ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jserve import LLM, SamplingParams
+from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
+from jserve.models import forward_step
+from jserve.parallel import kv_cache_spec
+
+PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((9, 37, 64, 21))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompt_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
+    """Logits at every prompt position from one step through the engine's (sharded) model and attention."""
+    model, runner = llm.engine.model, llm.engine.runner
+    page_size = 16
+    pages = np.arange(-(-len(prompt) // page_size), dtype=np.int32)
+    sharding = NamedSharding(model.mesh, kv_cache_spec()) if model.mesh else None
+    kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype, sharding)
+    batch = build_model_input([SequenceChunk(np.asarray(prompt), 0, pages)], page_size, 64, 1, len(pages), True)
+    batch = jax.device_put(batch, runner.input_sharding)
+    logits, _ = forward_step(model.graphdef, model.params, kv, batch, attention=runner.attention)
+    return np.asarray(logits)[: len(prompt)]
+
+
+def bytes_per_device(tree) -> list[int]:
+    sizes = [0] * jax.device_count()
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            sizes[shard.device.id] += shard.data.nbytes
+    return sizes
+
+
+def main() -> None:
+    model = None if sys.argv[1] == "default" else sys.argv[1]  # "default": SmolLM2-135M
+    sizes = [int(s) for s in sys.argv[2:]]
+    results = {}
+    for tp in sizes:
+        llm = LLM(
+            model,
+            dtype="float32",
+            tensor_parallel_size=tp,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            kv_cache_memory=(48 << 20) // tp,
+        )  # fmt: skip  (per device: same pages)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        results[tp] = {
+            "tokens": [o.outputs[0].token_ids for o in outputs],
+            "logits": prompt_logits(llm, PROMPTS[1]).tolist(),
+            "weight_bytes": bytes_per_device(llm.engine.model.params),
+            "kv_bytes": bytes_per_device(llm.engine.runner.kv_cache),
+            "num_kv_heads": llm.engine.model.config.num_kv_heads,
+            "num_pages": llm.engine.config.num_pages,
+            "kv_shard_shape": list(llm.engine.runner.kv_cache[0].k.addressable_shards[0].data.shape),
+        }
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Tensor parallelism on several host CPU devices: the same greedy tokens and logits as one device, and
+each device holding its share of weights and KV. The model runs in a subprocess because the device count
+must be set before jax is imported (this process has one CPU device)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jserve.errors import ModelLoadError
+from jserve.loader.random_weights import MODEL_SHAPES
+from jserve.parallel import tensor_parallel_config
+
+from tiny_models import save_tiny_checkpoint
+
+WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+
+
+def run_worker(model: str, sizes: list[int]) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    done = subprocess.run([sys.executable, str(WORKER), model, *map(str, sizes)], env=env, capture_output=True,
+                          text=True, timeout=1200)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {int(tp): result for tp, result in json.loads(done.stdout).items()}
+
+
+def check_against_one_device(results: dict, replicated_weight_bytes: int) -> None:
+    one = results[1]
+    total_weights, total_kv = one["weight_bytes"][0], one["kv_bytes"][0]
+    for tp, result in results.items():
+        assert result["tokens"] == one["tokens"], f"tp={tp}"
+        np.testing.assert_allclose(result["logits"], one["logits"], atol=1e-4, err_msg=f"tp={tp}")
+        weights, kv = result["weight_bytes"][:tp], result["kv_bytes"][:tp]
+        assert not any(result["weight_bytes"][tp:]) and not any(result["kv_bytes"][tp:])  # other devices idle
+        # Each device: the replicated weights (embedding, norms) and its 1/tp of the rest (a bound: when KV
+        # heads are replicated, k/v projections are repeated too).
+        kv_heads = one["num_kv_heads"]
+        share = (total_weights - replicated_weight_bytes) * max(kv_heads, tp) / kv_heads / tp + replicated_weight_bytes
+        assert all(w <= share * 1.01 for w in weights), (weights, share)
+        # KV split by head (heads replicated up to tp when fewer), every page on every device.
+        page_bytes = total_kv // one["num_pages"] * max(kv_heads, tp) // kv_heads // tp
+        assert all(k == result["num_pages"] * page_bytes for k in kv), (kv, page_bytes)
+        assert result["kv_shard_shape"][2] == max(kv_heads, tp) // tp
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiny_models_at_tp_2_and_4(tmp_path, family):
+    """2 KV heads: split at TP 2, replicated to one per device at TP 4."""
+    save_tiny_checkpoint(tmp_path, family)
+    results = run_worker(str(tmp_path), [1, 2, 4])
+    assert results[4]["num_kv_heads"] == 4
+    vocab, hidden = 320, 64
+    check_against_one_device(results, replicated_weight_bytes=vocab * hidden * 4 + 2 * 1024 * 4)
+
+
+def test_smollm2_at_tp_3():
+    """SmolLM2-135M: 9 query / 3 KV heads over 3 devices; its tied embedding stays replicated."""
+    results = run_worker("default", [1, 3])
+    check_against_one_device(results, replicated_weight_bytes=49152 * 576 * 4 + 61 * 576 * 4)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,tp,message",
+    [(9, 3, 2, "num_heads 9"), (12, 3, 4, "num_kv_heads 3"), (8, 2, 3, "num_heads 8")],
+)
+def test_head_counts_that_do_not_split_are_an_error(heads, kv_heads, tp, message):
+    config = dataclasses.replace(MODEL_SHAPES["smollm2-135m"], num_heads=heads, num_kv_heads=kv_heads)
+    with pytest.raises(ModelLoadError, match=message):
+        tensor_parallel_config(config, tp)
