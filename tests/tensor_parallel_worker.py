@@ -10,29 +10,13 @@ import json
 import sys
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
 from jserve import LLM, SamplingParams
-from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
-from jserve.models import forward_step
-from jserve.parallel import kv_cache_spec
+
+from tiny_models import jserve_prompt_logits
 
 PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((9, 37, 64, 21))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def prompt_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
-    """Logits at every prompt position from one step through the engine's (sharded) model and attention."""
-    model, runner = llm.engine.model, llm.engine.runner
-    page_size = 16
-    pages = np.arange(-(-len(prompt) // page_size), dtype=np.int32)
-    sharding = NamedSharding(model.mesh, kv_cache_spec()) if model.mesh else None
-    kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype, sharding)
-    batch = build_model_input([SequenceChunk(np.asarray(prompt), 0, pages)], page_size, 64, 1, len(pages), True)
-    batch = jax.device_put(batch, runner.input_sharding)
-    logits, _ = forward_step(model.graphdef, model.params, kv, batch, attention=runner.attention)
-    return np.asarray(logits)[: len(prompt)]
 
 
 def bytes_per_device(tree) -> list[int]:
@@ -60,7 +44,7 @@ def main() -> None:
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         results[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],
-            "logits": prompt_logits(llm, PROMPTS[1]).tolist(),
+            "logits": jserve_prompt_logits(llm.engine.model, PROMPTS[1], llm.engine.runner.attention).tolist(),
             "weight_bytes": bytes_per_device(llm.engine.model.params),
             "kv_bytes": bytes_per_device(llm.engine.runner.kv_cache),
             "num_kv_heads": llm.engine.model.config.num_kv_heads,

@@ -221,14 +221,22 @@ def assert_engine_idle(llm) -> None:
 
 
 def jserve_prompt_logits(model, prompt_ids: list[int], attention=None) -> np.ndarray:
-    """jserve's float32 logits [len(prompt), vocab] at every prompt position, from one model step."""
+    """jserve's float32 logits [len(prompt), vocab] at every prompt position, from one model step
+    (on the model's mesh when it is tensor-parallel: the cache split by KV head, the batch replicated)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
     from jserve.attention import REFERENCE, SequenceChunk, allocate_kv_cache, build_model_input
     from jserve.models import forward_step
+    from jserve.parallel import kv_cache_spec
 
+    mesh = model.mesh
     n, page_size = len(prompt_ids), 16
     pages = np.arange(-(-n // page_size), dtype=np.int32)
-    kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype)
+    kv_sharding = NamedSharding(mesh, kv_cache_spec()) if mesh else None
+    kv = allocate_kv_cache(model.config, len(pages), page_size, model.dtype, kv_sharding)
     padded = max(16, 1 << (n - 1).bit_length())
     batch = build_model_input([SequenceChunk(np.asarray(prompt_ids), 0, pages)], page_size, padded, 1, len(pages), True)
+    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec()) if mesh else None)
     logits, _ = forward_step(model.graphdef, model.params, kv, batch, attention=attention or REFERENCE)
     return np.asarray(logits)

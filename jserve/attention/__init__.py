@@ -1,4 +1,4 @@
-"""Paged attention: the batch metadata interface, the KV cache arrays and the plain-JAX reference."""
+"""Paged attention: the batch metadata, the KV cache arrays, the backend contract and its plain-JAX reference."""
 
 from jserve.attention.backend import ATTENTION_BACKENDS, REFERENCE, AttentionBackend, resolve_attention_backend
 from jserve.attention.kv_cache import KVCache, KVPages, allocate_kv_cache, kv_cache_bytes_per_token

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import jax
 
-from jserve.attention import ATTENTION_BACKENDS, kv_cache_bytes_per_token
+from jserve.attention import kv_cache_bytes_per_token
 from jserve.config import ModelConfig
 
 log = logging.getLogger("jserve")
@@ -28,7 +28,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
-    attention_backend: str = "auto"  # see jserve.attention.backend
+    attention_backend: str = "auto"  # resolved (and checked) by jserve.attention.resolve_attention_backend
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -98,7 +98,5 @@ def resolve_engine_config(
         )
     if schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
-    if attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
     return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, int(num_pages), seed,
                         enable_prefix_caching, schedule_policy, attention_backend)  # fmt: skip

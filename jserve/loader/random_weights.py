@@ -37,9 +37,8 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 
-def shape_config(model: str) -> ModelConfig:
-    """The config for `random:<shape>`."""
-    name = model.removeprefix(PREFIX)
+def shape_config(name: str) -> ModelConfig:
+    """The config of a named shape (the part of `random:<shape>` after the prefix)."""
     if name not in MODEL_SHAPES:
         raise ModelLoadError(f"unknown model shape {name!r}; known: {', '.join(MODEL_SHAPES)}")
     return MODEL_SHAPES[name]
@@ -54,16 +53,16 @@ def random_params(placement: WeightPlacement, dtype, seed: int = 0):
 
     def draw(path, leaf, key):
         name = param_name(path)
-        std = 1.0 if name.endswith("norm.weight") else 0.02
-        return _draw(leaf.shape, jnp.dtype(leaf.dtype), std, placement.sharding(name))(key)
+        is_norm = name.endswith("norm.weight")
+        return _sampler(leaf.shape, jnp.dtype(leaf.dtype), is_norm, placement.sharding(name))(key)
 
     params = [draw(path, leaf, key) for (path, leaf), key in zip(leaves, keys, strict=True)]
     return graphdef, jax.tree_util.tree_unflatten(treedef, params)
 
 
 @cache
-def _draw(shape: tuple[int, ...], dtype, std: float, sharding):
-    """A compiled sampler per (shape, dtype, kind, sharding): ones for norms (std 1.0), else N(0, std)."""
-    if std == 1.0:
+def _sampler(shape: tuple[int, ...], dtype, is_norm: bool, sharding):
+    """One compiled draw per (shape, dtype, kind, sharding): ones for norms, else N(0, 0.02)."""
+    if is_norm:
         return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
-    return jax.jit(lambda key: std * jax.random.normal(key, shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: 0.02 * jax.random.normal(key, shape, dtype), out_shardings=sharding)
