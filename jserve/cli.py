@@ -10,6 +10,7 @@ import time
 
 from jserve.engine.args import DTYPES, EngineArgs
 from jserve.errors import JServeError
+from jserve.parallel.distributed import DistributedArgs, is_leader
 
 log = logging.getLogger("jserve")
 
@@ -72,13 +73,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
     else:
         prompt_ids = tokenizer.encode(args.prompt)
-    stream_reply(llm, prompt_ids, params)
+    try:
+        stream_reply(llm, prompt_ids, params)
+    finally:
+        llm.close()
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
     llm, params = build_llm(args), sampling_params(args)
+    try:
+        chat_loop(llm, params, args.system)
+    finally:
+        llm.close()
+
+
+def chat_loop(llm, params, system: str | None) -> None:
     tokenizer = llm.get_tokenizer()
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages = [{"role": "system", "content": system}] if system else []
     print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
     while True:
         try:
@@ -127,13 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="reply to one prompt, streamed to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    for add in (EngineArgs.add_cli_args, add_sampling_args):
+    for add in (EngineArgs.add_cli_args, DistributedArgs.add_cli_args, add_sampling_args):
         add(gen)
     gen.set_defaults(run=cmd_generate)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
-    for add in (EngineArgs.add_cli_args, add_sampling_args):
+    for add in (EngineArgs.add_cli_args, DistributedArgs.add_cli_args, add_sampling_args):
         add(chat)
     chat.set_defaults(run=cmd_chat)
 
@@ -149,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a stop signal waits for requests in flight before aborting them")  # fmt: skip
     EngineArgs.add_cli_args(srv, model_flag=False)
+    DistributedArgs.add_cli_args(srv)
     srv.set_defaults(run=cmd_serve)
 
     conv = sub.add_parser("convert", help="write a model as a jserve Orbax checkpoint, which loads faster")
@@ -159,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_command(args: argparse.Namespace) -> int | None:
+    """Run the command; in a multi-host run only process 0 does, and the others mirror its engine."""
+    if hasattr(args, "distributed"):
+        DistributedArgs.from_cli_args(args).initialize()
+        if not is_leader():
+            EngineArgs.from_cli_args(args).create_engine().follow()
+            return 0
+    return args.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # One root handler (replacing any a library set up, so no line prints twice); INFO for jserve's own
@@ -166,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING, force=True)
     log.setLevel(logging.INFO)
     try:
-        code = args.run(args)
+        code = run_command(args)
     except (JServeError, FileExistsError, ValueError) as err:
         log.error("%s", err)
         return 1

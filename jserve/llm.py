@@ -54,6 +54,15 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def close(self) -> None:
+        """Multi-host runs (docs/scale-out.md): on process 0, release the followers when done; a no-op on one
+        host. On every other process, call `follow()` instead of generating."""
+        self.engine.close()
+
+    def follow(self) -> None:
+        """Multi-host runs, processes other than 0: mirror process 0's steps until it calls `close()`."""
+        self.engine.follow()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import jax
 
@@ -16,6 +16,7 @@ from jserve.engine.engine import LLMEngine
 from jserve.loader import load_model
 from jserve.loader.default_model import cache_dir
 from jserve.parallel import make_mesh
+from jserve.parallel.distributed import agree_on_min
 
 log = logging.getLogger("jserve")
 
@@ -62,6 +63,8 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             tensor_parallel_size=self.tensor_parallel_size,
         )
+        # Hosts may differ in free memory; they must not differ in KV shapes.
+        config = replace(config, num_pages=agree_on_min(config.num_pages))
         engine = LLMEngine(loaded, config)
         log.info("Engine ready in %.1fs", time.perf_counter() - start)
         return engine

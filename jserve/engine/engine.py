@@ -145,6 +145,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    # --- across hosts ----------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """On a follower process of a multi-host run: mirror the leader's steps until it closes."""
+        self.runner.follow()
+
+    def close(self) -> None:
+        """On the leader of a multi-host run: release the followers (a no-op on one host)."""
+        self.runner.close()
+
     # --- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -23,6 +23,7 @@ from jserve.engine.stats import EngineStats
 from jserve.engine.step import PenaltyUpdate, StepInput, jit_engine_step
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
+from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
 
 log = logging.getLogger("jserve")
 
@@ -50,13 +51,18 @@ class ModelRunner:
             f", tensor-parallel over {mesh.size} devices" if mesh else "",
         )
         self.executables: dict[int, jax.stages.Compiled] = {}
+        # Across hosts the leader tells followers every step it launches (see jserve.parallel.distributed).
+        self.broadcast = StepBroadcast(lambda bucket: self.prepare([], bucket)) if is_multi_process() else None
 
     def warm_up(self) -> None:
         """Compile every bucket now, and run each once on an all-padding batch (which writes nothing):
         a first execution pays one-off costs of its own that would otherwise land on a request."""
         start = time.perf_counter()
         for bucket in tqdm(self.config.token_buckets, desc="Compiling step buckets", unit="bucket"):
-            step = jax.device_put(self.prepare([], bucket), self.input_sharding)
+            step = self.prepare([], bucket)
+            if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
+                self._exchange(bucket, step)
+            step = jax.device_put(step, self.input_sharding)
             lowered = self.step_fn.lower(
                 self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state, step
             )
@@ -80,14 +86,37 @@ class ModelRunner:
         start = time.perf_counter()
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
         step = self.prepare(sequences, bucket)
+        if self.broadcast:
+            self.broadcast.send(bucket, step)
         dispatched = time.perf_counter()
-        out, self.kv_cache, self.penalty_state = self.executables[bucket](
-            self.model.params, self.kv_cache, self.penalty_state, jax.device_put(step, self.input_sharding)
-        )
-        out = jax.device_get(out)
+        out = jax.device_get(self._execute(bucket, step))
         stats.host_s += dispatched - start
         stats.device_s += time.perf_counter() - dispatched
         return out
+
+    def _execute(self, bucket: int, step: StepInput) -> SamplerOutput:
+        out, self.kv_cache, self.penalty_state = self.executables[bucket](
+            self.model.params, self.kv_cache, self.penalty_state, jax.device_put(step, self.input_sharding)
+        )
+        return out
+
+    def _exchange(self, bucket: int, step: StepInput) -> None:
+        if is_leader():
+            self.broadcast.send(bucket, step)
+        elif (received := self.broadcast.receive()) is None or received[0] != bucket:
+            raise RuntimeError(f"the leader is not warming up bucket {bucket}: do all processes run the same "
+                               "jserve version and engine arguments?")  # fmt: skip
+
+    def follow(self) -> None:
+        """On a follower process: launch every step the leader launches, until it closes."""
+        while (received := self.broadcast.receive()) is not None:
+            self._execute(*received)
+
+    def close(self) -> None:
+        """On the leader: release the followers from `follow`."""
+        if self.broadcast and is_leader():
+            self.broadcast.stop()
+            self.broadcast = None
 
     def prepare(self, sequences: list[ScheduledSequence], bucket: int) -> StepInput:
         """Host arrays for a step, padded to `bucket` tokens and its sequence count (vectorised numpy)."""

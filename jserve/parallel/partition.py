@@ -28,8 +28,12 @@ _ROW = ("o_proj", "down_proj")
 
 
 def make_mesh(tensor_parallel_size: int) -> Mesh | None:
-    """A 1-D mesh over the first N devices, or None for one device (no sharding machinery at all)."""
+    """A 1-D mesh over the first N devices, or None for one device (no sharding machinery at all). Across
+    hosts the mesh spans every device of every process: each must take part in every step."""
     devices = jax.devices()
+    if jax.process_count() > 1 and tensor_parallel_size != len(devices):
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: across {jax.process_count()} processes "
+                         f"it must be the total device count, {len(devices)}")  # fmt: skip
     if tensor_parallel_size < 1 or tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs 1..{len(devices)} devices "
                          f"({len(devices)} {devices[0].platform} devices visible)")  # fmt: skip

@@ -182,6 +182,7 @@ class AsyncEngine:
                 continue
             self._deliver(outputs)
         self._fail_all(EngineError("the server is shutting down"))
+        engine.close()
 
     def _fail_load(self) -> None:
         self.state = EngineState.FAILED
