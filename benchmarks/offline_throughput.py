@@ -26,6 +26,7 @@ from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.args import DTYPES
 from jserve.loader.default_model import default_model_path
 from jserve.loader.random_weights import MODEL_SHAPES
+from jserve.models.quantization import QUANTIZATIONS
 
 
 @dataclass
@@ -166,6 +167,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 elsewhere")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(112, 144), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(128, 128), metavar=("MIN", "MAX"))
@@ -185,7 +187,7 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              attention_backend=args.attention_backend)  # fmt: skip
+              attention_backend=args.attention_backend, quantization=args.quantization)  # fmt: skip
     print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets): {time.perf_counter() - start:.1f}s")
     work = make_workload(args, llm.engine.model.config.vocab_size)
     llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs

@@ -34,6 +34,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         seed: int = 0,
         attention_backend: str = "auto",
+        quantization: str = "none",
     ):
         self.engine = EngineArgs(
             model=model,
@@ -48,6 +49,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             attention_backend=attention_backend,
+            quantization=quantization,
         ).create_engine()
         self.tokenizer = self.engine.tokenizer
 

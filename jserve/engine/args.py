@@ -15,6 +15,7 @@ from jserve.engine.config import resolve_engine_config
 from jserve.engine.engine import LLMEngine
 from jserve.loader import load_model
 from jserve.loader.default_model import cache_dir
+from jserve.models.quantization import QUANTIZATIONS
 from jserve.parallel import make_mesh
 from jserve.parallel.distributed import agree_on_min
 
@@ -43,12 +44,13 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     seed: int = 0
     attention_backend: str = "auto"  # "reference" (plain JAX) or "pallas" kernels; auto: pallas off CPU
+    quantization: str = "none"  # "int8": int8 weights and activations in every projection
 
     def create_engine(self) -> LLMEngine:
         start = time.perf_counter()
         enable_compilation_cache()
         mesh = make_mesh(self.tensor_parallel_size)
-        loaded = load_model(self.model, dtype=self.dtype, mesh=mesh)
+        loaded = load_model(self.model, dtype=self.dtype, mesh=mesh, quantization=self.quantization)
         config = resolve_engine_config(
             loaded.config,
             loaded.dtype,
@@ -91,6 +93,9 @@ class EngineArgs:
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                             help="auto: Pallas kernels on GPU/TPU, the plain-JAX reference on CPU")  # fmt: skip
+        parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                            help="int8: int8 weights (per channel) times int8 activations (per token); "
+                            "4x fewer weight bytes and several times faster matmuls on CPU")  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

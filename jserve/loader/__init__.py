@@ -17,10 +17,12 @@ from jserve.config import ModelConfig, read_hf_config
 from jserve.loader.default_model import default_model_path
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
 from jserve.loader.orbax_io import load_orbax, read_orbax_config, save_orbax
+from jserve.loader.quantize import quantize_model
 from jserve.loader.random_weights import random_params, shape_config
 from jserve.loader.resolve import ModelSource, resolve_model
 from jserve.loader.safetensors_source import count_tensors, iter_safetensors, safetensors_files
 from jserve.loader.weights import assemble
+from jserve.models.quantization import QUANTIZATIONS
 from jserve.parallel import WeightPlacement
 from jserve.tokenizer import Tokenizer
 
@@ -38,8 +40,11 @@ class LoadedModel:
     dtype: jnp.dtype
     source: ModelSource
     mesh: Mesh | None = None  # tensor parallelism: the devices the weights are split over
+    quantization: str = "none"  # or "int8": projections, embedding and head hold int8 weights
 
     def save_orbax(self, folder: str | os.PathLike) -> None:
+        if self.quantization != "none":
+            raise ValueError("`jserve convert` writes float weights; quantize when loading them instead")
         save_orbax(self.config, self.params, self.tokenizer, self.dtype, Path(folder))
 
 
@@ -52,9 +57,14 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
     return jnp.dtype(DTYPES[dtype])
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
+def load_model(
+    model: str | os.PathLike | None = None, dtype: str = "auto", mesh: Mesh | None = None, quantization: str = "none"
+) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder or hub id
-    in the local HF cache, a `jserve convert` folder, or `random:<shape>` (random weights, see MODEL_SHAPES)."""
+    in the local HF cache, a `jserve convert` folder, or `random:<shape>` (random weights, see MODEL_SHAPES).
+    `quantization` "int8": weights quantized once loaded (jserve.models.quantization)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     target_dtype = resolve_dtype(dtype)
     source = resolve_model(model)
     start = time.perf_counter()
@@ -83,9 +93,13 @@ def load_model(model: str | os.PathLike | None = None, dtype: str = "auto", mesh
         tokenizer = Tokenizer.from_folder(source.path)
         placement = WeightPlacement.create(config, mesh)
         graphdef, params = load_orbax(source.path, placement, target_dtype)
+    num_params = sum(x.size for x in jax.tree.leaves(params))
+    if quantization == "int8":
+        graphdef, params = quantize_model(placement, params, target_dtype)
     log.info(
-        "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s",
+        "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s activations, %s weights (%.0f MB)",
         config.family, source.path, source.kind, time.perf_counter() - start, config.num_layers,
-        sum(x.size for x in jax.tree.leaves(params)) / 1e6, target_dtype.name,
+        num_params / 1e6, target_dtype.name,
+        "int8" if quantization == "int8" else target_dtype.name, sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
-    return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh)
+    return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh, quantization)

@@ -8,11 +8,11 @@ from jserve.models.linear import Linear
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype):
+    def __init__(self, config: ModelConfig, *, dtype, quantized: bool = False):
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(hidden, inner, bias=bias, dtype=dtype)
-        self.up_proj = Linear(hidden, inner, bias=bias, dtype=dtype)
-        self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype)
+        self.gate_proj = Linear(hidden, inner, bias=bias, dtype=dtype, quantized=quantized)
+        self.up_proj = Linear(hidden, inner, bias=bias, dtype=dtype, quantized=quantized)
+        self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, quantized=quantized)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

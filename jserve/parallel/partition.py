@@ -72,8 +72,8 @@ def param_spec(name: str, config: ModelConfig, tp: int) -> PartitionSpec:
         return PartitionSpec(MODEL_AXIS, None) if kind == "weight" else PartitionSpec(MODEL_AXIS)
     if layer in _ROW:
         return PartitionSpec(None, MODEL_AXIS) if kind == "weight" else PartitionSpec()
-    if name == "lm_head.weight" and config.vocab_size % tp == 0:
-        return PartitionSpec(MODEL_AXIS, None)
+    if module == "lm_head" and config.vocab_size % tp == 0:
+        return PartitionSpec(MODEL_AXIS, None) if kind == "weight" else PartitionSpec(MODEL_AXIS)
     return PartitionSpec()  # embedding, norms (and a head whose vocabulary does not split)
 
 

@@ -1,0 +1,113 @@
+"""--quantization int8: the quantizer's round trip, the two-digit int8 matmul against float, and int8 models
+against float ones (tiny checkpoints of each family, and SmolLM2) through the engine."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jserve import LLM, SamplingParams
+from jserve.loader import load_model
+from jserve.loader.weights import param_name
+from jserve.models.quantization import int8_matmul, quantize_rows
+
+from test_engine import prompts, tiny_llm
+from tiny_models import VARIANTS, assert_engine_idle, jserve_prompt_logits, save_tiny_checkpoint
+
+
+def test_quantize_rows_round_trip():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 96)).astype(np.float32) * rng.uniform(0.01, 10, (16, 1)).astype(np.float32)
+    w[3] = 0
+    q, scale = map(np.asarray, quantize_rows(w))
+    assert q.dtype == np.int8 and scale.dtype == np.float32
+    assert scale[3] == 0 and not q[3].any()
+    assert (np.abs(q).max(axis=1)[scale > 0] == 127).all()
+    assert (np.abs(w - q * scale[:, None]) <= scale[:, None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
+def test_int8_matmul_is_the_float_matmul_of_the_int8_weight(shape):
+    """Two int8 digits per activation leave the weight's rounding as the only error (to ~1e-4 relative),
+    even with an outlier feature 100x the others; an all-zero (padding) row gives exactly zero."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., 7] *= 100
+    x.reshape(-1, 96)[0] = 0
+    q, scale = quantize_rows(rng.standard_normal((40, 96)).astype(np.float32))
+    expected = x.astype(np.float64) @ (np.asarray(q, np.float64) * np.asarray(scale)[:, None]).T
+    got = np.asarray(int8_matmul(x, q, scale))
+    assert got.shape == (*shape[:-1], 40) and got.dtype == np.float32
+    assert not got.reshape(-1, 40)[0].any()
+    np.testing.assert_allclose(got, expected, atol=2e-4 * np.abs(expected).max(), rtol=0)
+
+
+def paths(tree):
+    return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied-mqa", "qwen2", "qwen3"])
+def test_int8_model_is_the_float_model_with_int8_rounded_weights(tmp_path, variant):
+    family, overrides = VARIANTS[variant]
+    save_tiny_checkpoint(tmp_path, family, **overrides)
+    full, int8 = load_model(tmp_path, "float32"), load_model(tmp_path, "float32", quantization="int8")
+    matrices = [leaf for leaf in jax.tree.leaves(int8.params) if leaf.ndim == 2]
+    assert len(matrices) == 7 * 2 + 1 + (not int8.config.tie_word_embeddings)  # projections, embedding, head
+    assert all(leaf.dtype == np.int8 for leaf in matrices)
+    nbytes = [sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)) for model in (full, int8)]
+    assert nbytes[1] < 0.3 * nbytes[0]
+    # The int8 model computes what the float model computes with its weights rounded to int8, and nothing else:
+    # the activations' two digits add no error worth the name.
+    rounded = dict(zip(map(param_name, paths(full.params)), jax.tree.leaves(full.params), strict=True))
+    quantized = dict(zip(map(param_name, paths(int8.params)), jax.tree.leaves(int8.params), strict=True))
+    for name, q in quantized.items():
+        if q.dtype == np.int8:
+            rounded[name] = q.astype(np.float32) * quantized[name + "_scale"][:, None]
+    as_rounded = dataclasses.replace(full, params=jax.tree_util.tree_map_with_path(
+        lambda path, _: rounded[param_name(path)], full.params))  # fmt: skip
+    ids = prompts(1, seed=3, low=30, high=31)[0]
+    got, expected = jserve_prompt_logits(int8, ids), jserve_prompt_logits(as_rounded, ids)
+    np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max(), rtol=0)
+
+
+def test_int8_engine_is_batch_and_chunk_invariant(tiny_llama_checkpoint):
+    """Each token's activations are quantized on their own, so the batch and the chunking change them only
+    by float rounding, which can move an activation across a rounding edge of its fine digit (~1e-4 of its
+    row's largest value): outputs agree up to a near-tie (a random tiny model has a few)."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    llm = tiny_llm(tiny_llama_checkpoint[0], quantization="int8")
+    batch = prompts(12, seed=5, low=20, high=90)
+    alone = llm.generate(batch[:1], greedy, use_tqdm=False)[0].outputs[0]
+    together = [o.outputs[0] for o in llm.generate(batch, greedy, use_tqdm=False)]
+    chunked = tiny_llm(tiny_llama_checkpoint[0], quantization="int8", max_num_batched_tokens=16)
+    in_chunks = [o.outputs[0] for o in chunked.generate(batch, greedy, use_tqdm=False)]
+    for a, b in [(alone, together[0]), *zip(together, in_chunks, strict=True)]:
+        if a.token_ids != b.token_ids:
+            first = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y)
+            top2 = sorted((lp.logprob for lp in a.logprobs[first].values()), reverse=True)[:2]
+            assert top2[0] - top2[1] < 5e-3, f"diverged at token {first} without a near-tie"
+    assert sum(a.token_ids == b.token_ids for a, b in zip(together, in_chunks, strict=True)) >= 10
+    assert_engine_idle(llm)
+    assert_engine_idle(chunked)
+
+
+def test_smollm2_int8_answers_as_float_does(smollm2, smollm2_gguf_path):
+    """The documented tolerance: prompt logits within 3 of float32 (measured max 2.1 on a chat prompt) and
+    the same answer to the reference question."""
+    llm = LLM(smollm2_gguf_path, dtype="float32", quantization="int8", max_model_len=512, max_num_seqs=8,
+              max_num_batched_tokens=64, kv_cache_memory=64 << 20)  # fmt: skip
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert answer.text == "The capital of France is Paris."
+    ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog, and then")
+    expected, got = jserve_prompt_logits(smollm2, ids), jserve_prompt_logits(llm.engine.model, ids)
+    assert np.abs(got - expected).max() < 3.0
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+
+
+def test_quantization_is_checked_and_int8_is_not_converted(tiny_llama_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="quantization 'int4'"):
+        load_model(tiny_llama_checkpoint[0], quantization="int4")
+    with pytest.raises(ValueError, match="float weights"):
+        load_model(tiny_llama_checkpoint[0], quantization="int8").save_orbax(tmp_path / "out")
