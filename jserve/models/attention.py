@@ -35,6 +35,7 @@ class Attention(nnx.Module):
         attention: AttentionBackend,
     ) -> tuple[jax.Array, KVPages]:
         tokens = x.shape[0]
+        x = self.q_proj.prepare(x)
         q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)

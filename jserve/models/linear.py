@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.models.quantization import int8_matmul
+from jserve.models.quantization import Int8Activations, int8_matmul, quantize_activations
 
 
 class Linear(nnx.Module):
@@ -14,7 +14,11 @@ class Linear(nnx.Module):
         self.weight_scale = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if quantized else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def prepare(self, x: jax.Array) -> jax.Array | Int8Activations:
+        """x as this projection multiplies it; projections of one input (q/k/v, gate/up) share it."""
+        return x if self.weight_scale is None else quantize_activations(x)
+
+    def __call__(self, x: jax.Array | Int8Activations) -> jax.Array:
         if self.weight_scale is None:
             y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
         else:

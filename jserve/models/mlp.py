@@ -15,4 +15,5 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, quantized=quantized)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.gate_proj.prepare(x)
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
