@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -56,25 +57,34 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile every bucket now, and run each once on an all-padding batch (which writes nothing):
-        a first execution pays one-off costs of its own that would otherwise land on a request."""
+        a first execution pays one-off costs of its own that would otherwise land on a request.
+
+        Tracing is Python (one thread at a time) and XLA compiles without the GIL, so the next bucket is
+        traced while a worker thread compiles the previous one."""
         start = time.perf_counter()
-        for bucket in tqdm(self.config.token_buckets, desc="Compiling step buckets", unit="bucket"):
-            step = self.prepare([], bucket)
-            if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
-                self._exchange(bucket, step)
-            step = jax.device_put(step, self.input_sharding)
-            lowered = self.step_fn.lower(
-                self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state, step
-            )
-            self.executables[bucket] = lowered.compile()
-            out, self.kv_cache, self.penalty_state = self.executables[bucket](
-                self.model.params, self.kv_cache, self.penalty_state, step
-            )
-            jax.block_until_ready(out)
+        buckets = self.config.token_buckets
+        steps = {bucket: self.prepare([], bucket) for bucket in buckets}
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jserve-compile") as compiler:
+            compiled = {}
+            for bucket in tqdm(buckets, desc="Tracing step buckets", unit="bucket", leave=False):
+                if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
+                    self._exchange(bucket, steps[bucket])
+                steps[bucket] = jax.device_put(steps[bucket], self.input_sharding)
+                lowered = self.step_fn.lower(
+                    self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state,
+                    steps[bucket],
+                )  # fmt: skip
+                compiled[bucket] = compiler.submit(lowered.compile)
+            for bucket in tqdm(buckets, desc="Compiling step buckets", unit="bucket"):
+                self.executables[bucket] = compiled[bucket].result()
+                out, self.kv_cache, self.penalty_state = self.executables[bucket](
+                    self.model.params, self.kv_cache, self.penalty_state, steps[bucket]
+                )
+                jax.block_until_ready(out)
         log.info(
             "Compiled %d step variants (token buckets %s) in %.1fs",
             len(self.executables),
-            ", ".join(map(str, self.config.token_buckets)),
+            ", ".join(map(str, buckets)),
             time.perf_counter() - start,
         )
 
