@@ -98,8 +98,9 @@ async def run(args, jobs: list[Job]) -> tuple[list[Outcome], float]:
     rng = np.random.default_rng(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency or len(jobs))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=3600,
-                                 limits=httpx.Limits(max_connections=None)) as client:  # fmt: skip
+    # No keep-alive: llama-server closes idle connections, and a reused closed one fails the request.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=3600, limits=limits) as client:
 
         async def limited(job: Job) -> Outcome:
             async with limit:

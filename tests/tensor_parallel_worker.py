@@ -1,7 +1,7 @@
 """Runs in a subprocess with several host CPU devices (XLA_FLAGS must be set before jax is imported):
 one model at several tensor-parallel sizes; prints JSON with greedy tokens, prompt logits and per-device bytes.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_worker.py MODEL TP [TP ...]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_worker.py MODEL QUANT TP [TP ...]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def bytes_per_device(tree) -> list[int]:
 
 def main() -> None:
     model = None if sys.argv[1] == "default" else sys.argv[1]  # "default": SmolLM2-135M
-    sizes = [int(s) for s in sys.argv[2:]]
+    quantization = sys.argv[2]
+    sizes = [int(s) for s in sys.argv[3:]]
     results = {}
     for tp in sizes:
         llm = LLM(
@@ -40,6 +41,7 @@ def main() -> None:
             max_num_seqs=8,
             max_num_batched_tokens=64,
             kv_cache_memory=(48 << 20) // tp,
+            quantization=quantization,
         )  # fmt: skip  (per device: same pages)
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         results[tp] = {

@@ -21,10 +21,10 @@ from tiny_models import save_tiny_checkpoint
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
-def run_worker(model: str, sizes: list[int]) -> dict:
+def run_worker(model: str, sizes: list[int], quantization: str = "none") -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    done = subprocess.run([sys.executable, str(WORKER), model, *map(str, sizes)], env=env, capture_output=True,
-                          text=True, timeout=1200)  # fmt: skip
+    done = subprocess.run([sys.executable, str(WORKER), model, quantization, *map(str, sizes)], env=env,
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return {int(tp): result for tp, result in json.loads(done.stdout).items()}
 
@@ -56,6 +56,16 @@ def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     assert results[4]["num_kv_heads"] == 4
     vocab, hidden = 320, 64
     check_against_one_device(results, replicated_weight_bytes=vocab * hidden * 4 + 2 * 1024 * 4)
+
+
+def test_int8_weights_at_tp_2(tmp_path):
+    """int8 projections split like float ones (scales with their rows); row-parallel layers add their int32
+    partial sums across devices exactly, so TP 2 gives one device's int8 tokens."""
+    save_tiny_checkpoint(tmp_path, "qwen3")
+    results = run_worker(str(tmp_path), [1, 2], quantization="int8")
+    assert results[2]["tokens"] == results[1]["tokens"]
+    np.testing.assert_allclose(results[2]["logits"], results[1]["logits"], atol=1e-4)
+    assert max(results[2]["weight_bytes"][:2]) < 0.6 * results[1]["weight_bytes"][0]
 
 
 def test_smollm2_at_tp_3():

@@ -31,6 +31,8 @@ from jserve.engine.stats import EngineStats
 
 log = logging.getLogger("jserve")
 
+MIN_CUT_EDGE = 16  # prefill chunks are cut back to bucket edges of at least this many tokens
+
 
 @dataclass(frozen=True)
 class ScheduledSequence:
@@ -137,6 +139,8 @@ class Scheduler:
         keep = last.num_tokens - (total - edge)
         if last.request.num_computed_tokens >= last.request.num_prompt_tokens or 2 * keep < last.num_tokens:
             return scheduled  # a decode, or too little would be left
+        if edge < MIN_CUT_EDGE:
+            return scheduled  # small steps: a step's fixed costs outweigh a few padded tokens
         return [*scheduled[:-1], dataclasses.replace(last, num_tokens=keep)]
 
     def _admission_order(self) -> list[Request]:
