@@ -3,7 +3,8 @@
 At each concurrency the servers take turns on the same requests (jserve, peer, jserve, peer, ...), so
 drifting machine load hits both alike; the table gives medians over --repeats of output tok/s, TTFT and
 ITL p50 / p99, and the jserve / peer throughput ratio. jserve is started here (--server-args); the peer
-must be running already:
+must be running already, and freshly started: prompts depend only on --seed, and llama-server keeps each
+slot's last prompt cached, so a second invocation against the same peer finds its prompts cached.
 
     ../shared/peer/start_llama_server.sh 8080        # llama-server -np 16 on 127.0.0.1:8080
     python benchmarks/peer.py --peer-url http://127.0.0.1:8080 --server-args "--quantization int8"

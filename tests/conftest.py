@@ -32,3 +32,17 @@ def tiny_llama_checkpoint(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     return folder, save_tiny_checkpoint(folder, "llama")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_steps():
+    """JAX's caches keep every compiled step alive after its engine is gone, and each CPU executable holds
+    memory mappings of its own: a whole suite's worth ran into the kernel's 65530-mapping limit (XLA
+    aborts). Drop them after each module; live engines keep theirs."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()

@@ -8,9 +8,7 @@ compiled at start-up.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -28,8 +26,6 @@ from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
 
 log = logging.getLogger("jserve")
-
-COMPILE_WORKERS = min(4, os.cpu_count() or 1)
 
 
 class ModelRunner:
@@ -60,34 +56,25 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         """Compile every bucket now, and run each once on an all-padding batch (which writes nothing):
-        a first execution pays one-off costs of its own that would otherwise land on a request.
-
-        Tracing is Python (one thread at a time) and XLA compiles without the GIL, so worker threads
-        compile traced buckets while the next ones are traced (on 2 cores, 2 workers: cold 67 -> 55 s)."""
+        a first execution pays one-off costs of its own that would otherwise land on a request."""
         start = time.perf_counter()
-        buckets = self.config.token_buckets
-        steps = {bucket: self.prepare([], bucket) for bucket in buckets}
-        with ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="jserve-compile") as compiler:
-            compiled = {}
-            for bucket in tqdm(buckets, desc="Tracing step buckets", unit="bucket", leave=False):
-                if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
-                    self._exchange(bucket, steps[bucket])
-                steps[bucket] = jax.device_put(steps[bucket], self.input_sharding)
-                lowered = self.step_fn.lower(
-                    self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state,
-                    steps[bucket],
-                )  # fmt: skip
-                compiled[bucket] = compiler.submit(lowered.compile)
-            for bucket in tqdm(buckets, desc="Compiling step buckets", unit="bucket"):
-                self.executables[bucket] = compiled[bucket].result()
-                out, self.kv_cache, self.penalty_state = self.executables[bucket](
-                    self.model.params, self.kv_cache, self.penalty_state, steps[bucket]
-                )
-                jax.block_until_ready(out)
+        for bucket in tqdm(self.config.token_buckets, desc="Compiling step buckets", unit="bucket"):
+            step = self.prepare([], bucket)
+            if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
+                self._exchange(bucket, step)
+            step = jax.device_put(step, self.input_sharding)
+            lowered = self.step_fn.lower(
+                self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state, step
+            )
+            self.executables[bucket] = lowered.compile()
+            out, self.kv_cache, self.penalty_state = self.executables[bucket](
+                self.model.params, self.kv_cache, self.penalty_state, step
+            )
+            jax.block_until_ready(out)
         log.info(
             "Compiled %d step variants (token buckets %s) in %.1fs",
             len(self.executables),
-            ", ".join(map(str, buckets)),
+            ", ".join(map(str, self.config.token_buckets)),
             time.perf_counter() - start,
         )
 
