@@ -23,6 +23,10 @@ from serve import launch_jserve, random_jobs, run, summarize
 METRICS = ("output throughput tok/s", "median TTFT ms", "p99 TTFT ms", "median ITL ms", "p99 ITL ms")
 
 
+def workload(args, num_prompts: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "num_prompts": num_prompts})
+
+
 def measure(args, base_url: str, model: str, concurrency: int, jobs) -> dict:
     settings = argparse.Namespace(**{**vars(args), "base_url": base_url, "model": model,
                                      "max_concurrency": concurrency, "request_rate": float("inf")})  # fmt: skip
@@ -55,15 +59,12 @@ def main() -> None:
     servers[args.peer_name] = (args.peer_url, httpx.get(f"{args.peer_url}/v1/models").json()["data"][0]["id"])
     runs: dict[tuple[str, int], list[dict]] = {}
     try:
-        warm = random_jobs(argparse.Namespace(**{**vars(args), "num_prompts": 2}), np.random.default_rng(99))
-        measure(args, *servers["jserve"], 2, warm)  # first-request costs, not measured
+        measure(args, *servers["jserve"], 2, random_jobs(workload(args, 2), np.random.default_rng(99)))  # warm-up
         for concurrency in args.concurrency:
-            workload = argparse.Namespace(**{**vars(args), "num_prompts": args.num_prompts})
-            if concurrency == 1:
-                workload.num_prompts = args.num_prompts_at_1
+            count = args.num_prompts_at_1 if concurrency == 1 else args.num_prompts
             for repeat in range(args.repeats):
                 # Fresh prompts each repeat, the same for both servers: neither finds them cached.
-                jobs = random_jobs(workload, np.random.default_rng([args.seed, concurrency, repeat]))
+                jobs = random_jobs(workload(args, count), np.random.default_rng([args.seed, concurrency, repeat]))
                 for name, (url, model) in servers.items():
                     summary = measure(args, url, model, concurrency, jobs)
                     runs.setdefault((name, concurrency), []).append(summary)

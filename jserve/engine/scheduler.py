@@ -23,15 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.engine.config import EngineConfig
+from jserve.engine.config import MIN_TOKEN_BUCKET, EngineConfig
 from jserve.engine.page_pool import PagePool
 from jserve.engine.radix_cache import PrefixMatch, RadixCache
 from jserve.engine.request import Request, RequestStatus
 from jserve.engine.stats import EngineStats
 
 log = logging.getLogger("jserve")
-
-MIN_CUT_EDGE = 16  # prefill chunks are cut back to bucket edges of at least this many tokens
 
 
 @dataclass(frozen=True)
@@ -139,8 +137,8 @@ class Scheduler:
         keep = last.num_tokens - (total - edge)
         if last.request.num_computed_tokens >= last.request.num_prompt_tokens or 2 * keep < last.num_tokens:
             return scheduled  # a decode, or too little would be left
-        if edge < MIN_CUT_EDGE:
-            return scheduled  # small steps: a step's fixed costs outweigh a few padded tokens
+        if edge < MIN_TOKEN_BUCKET:
+            return scheduled  # the lone-decode bucket: a step's fixed costs outweigh a few padded tokens
         return [*scheduled[:-1], dataclasses.replace(last, num_tokens=keep)]
 
     def _admission_order(self) -> list[Request]:
