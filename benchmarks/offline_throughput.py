@@ -1,8 +1,10 @@
 """Offline throughput: N requests with random prompts, lengths uniform in ranges, ignore_eos (nano-vllm's shape).
 
 Runs jserve with continuous batching, optionally with static batching (`--static`: batches of
-max_num_seqs, each finishing before the next starts) and transformers' sequential generate
-(`--baseline hf`) in the same process, and prints throughput, latency percentiles and ratios.
+max_num_seqs, each finishing before the next starts), with async scheduling off (`--sync`: the host
+prepares each step only after fetching the last one's samples) and transformers' sequential generate
+(`--baseline hf`) in the same process, and prints throughput, latency percentiles, host time per step,
+device time per step and the device's idle share between steps, and ratios.
 
     python benchmarks/offline_throughput.py --num-requests 64 --input-len 112 144 --output-len 128 128 \
         --static --baseline hf --baseline-requests 3
@@ -15,7 +17,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jax
@@ -45,7 +47,8 @@ class Result:
     tpot: list[float]
     steps: int = 0
     host_s: float = 0.0
-    device_s: float = 0.0
+    device_busy_s: float = 0.0
+    device_idle_s: float = 0.0
 
 
 def make_workload(args, vocab_size: int) -> Workload:
@@ -57,11 +60,14 @@ def make_workload(args, vocab_size: int) -> Workload:
     return Workload(prompts, outputs)
 
 
-def run_jserve(llm: LLM, work: Workload, static: bool) -> Result:
+def run_jserve(llm: LLM, work: Workload, static: bool = False, sync: bool = False) -> Result:
     """All requests arrive at once. Continuous: one generate call. Static: batches of max_num_seqs, each
-    running every row to the batch's longest output (as a padded static batch computes) before the next."""
-    stats = llm.engine.stats
-    before = (stats.steps, stats.host_s, stats.device_s)
+    running every row to the batch's longest output (as a padded static batch computes) before the next.
+    Sync: the same engine with async scheduling switched off for the run."""
+    engine = llm.engine
+    engine.config = replace(engine.config, async_scheduling=not sync)
+    stats = engine.sync_stats()
+    before = (stats.steps, stats.host_s, stats.device_busy_s, stats.device_idle_s)
     arrival, start = time.monotonic(), time.perf_counter()
     size = llm.engine.config.max_num_seqs if static else len(work.prompts)
     ttft, tpot = [], []
@@ -74,16 +80,19 @@ def run_jserve(llm: LLM, work: Workload, static: bool) -> Result:
             ttft.append(m.first_token_time - arrival)
             if wanted > 1:  # a static batch answers when its longest row is done
                 tpot.append((m.finish_time - m.first_token_time) / (wanted - 1))
+    seconds = time.perf_counter() - start
+    engine.sync_stats()
     return Result(
-        "jserve static" if static else "jserve continuous",
-        time.perf_counter() - start,
+        "jserve static" if static else "jserve sync" if sync else "jserve continuous",
+        seconds,
         sum(map(len, work.prompts)),
         sum(work.output_lens),  # useful tokens only: a static batch's padding rows do not count
         ttft,
         tpot,
         stats.steps - before[0],
         stats.host_s - before[1],
-        stats.device_s - before[2],
+        stats.device_busy_s - before[2],
+        stats.device_idle_s - before[3],
     )
 
 
@@ -138,15 +147,17 @@ def pct(values: list[float], q: float) -> float:
 def report(results: list[Result]) -> None:
     print(
         f"{'engine':24} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'TPOT p99':>9} {'host ms/step':>13} {'device ms/step':>15}"
+        f"{'TPOT p50':>9} {'TPOT p99':>9} {'host ms/step':>13} {'device ms/step':>15} {'device idle':>12}"
     )
     for r in results:
         n = len(r.ttft)
-        per_step = (1000 * r.host_s / r.steps, 1000 * r.device_s / r.steps) if r.steps else (float("nan"),) * 2
+        steps = r.steps or float("nan")
+        idle = r.device_idle_s / (r.device_idle_s + r.device_busy_s) if r.steps else float("nan")
         print(
             f"{r.name:24} {n / r.seconds:7.2f} {r.output_tokens / r.seconds:10.1f} "
             f"{(r.prompt_tokens + r.output_tokens) / r.seconds:12.1f} {pct(r.ttft, 50):9.2f} {pct(r.ttft, 99):9.2f} "
-            f"{pct(r.tpot, 50) * 1000:7.1f}ms {pct(r.tpot, 99) * 1000:7.1f}ms {per_step[0]:13.1f} {per_step[1]:15.1f}"
+            f"{pct(r.tpot, 50) * 1000:7.1f}ms {pct(r.tpot, 99) * 1000:7.1f}ms {1000 * r.host_s / steps:13.2f} "
+            f"{1000 * r.device_busy_s / steps:15.1f} {100 * idle:11.2f}%"
         )
     base = results[0].output_tokens / results[0].seconds
     for r in results[1:]:
@@ -175,6 +186,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--static", action="store_true", help="also run static batching")
+    parser.add_argument("--sync", action="store_true", help="also run with async scheduling off")
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each jserve mode, alternated; medians")
@@ -192,14 +204,13 @@ def main() -> None:
     work = make_workload(args, llm.engine.model.config.vocab_size)
     llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
 
+    modes = [{}] + [{"sync": True}] * args.sync + [{"static": True}] * args.static
     results = []
     for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike
-        results.append(run_jserve(llm, work, static=False))
-        if args.static:
-            results.append(run_jserve(llm, work, static=True))
+        results += [run_jserve(llm, work, **mode) for mode in modes]
         if args.repeats > 1:
             print(f"repeat {repeat + 1}/{args.repeats}:", *(f"{r.name} {r.output_tokens / r.seconds:.1f} tok/s"
-                                                           for r in results[-1 - args.static :]))  # fmt: skip
+                                                           for r in results[-len(modes) :]))  # fmt: skip
     results = [median_result([r for r in results if r.name == name]) for name in dict.fromkeys(r.name for r in results)]
     if args.baseline == "hf":
         model_path = default_model_path() if args.model is None else Path(args.model)

@@ -35,6 +35,7 @@ class LLM:
         seed: int = 0,
         attention_backend: str = "auto",
         quantization: str = "none",
+        async_scheduling: bool = True,
     ):
         self.engine = EngineArgs(
             model=model,
@@ -50,6 +51,7 @@ class LLM:
             seed=seed,
             attention_backend=attention_backend,
             quantization=quantization,
+            async_scheduling=async_scheduling,
         ).create_engine()
         self.tokenizer = self.engine.tokenizer
 

@@ -45,6 +45,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"  # "reference" (plain JAX) or "pallas" kernels; auto: pallas off CPU
     quantization: str = "none"  # "int8": int8 weights and activations in every projection
+    async_scheduling: bool = True  # the host prepares step N+1 while the device runs step N
 
     def create_engine(self) -> LLMEngine:
         start = time.perf_counter()
@@ -64,6 +65,7 @@ class EngineArgs:
             schedule_policy=self.schedule_policy,
             attention_backend=self.attention_backend,
             tensor_parallel_size=self.tensor_parallel_size,
+            async_scheduling=self.async_scheduling,
         )
         # Hosts may differ in free memory; they must not differ in KV shapes.
         config = replace(config, num_pages=agree_on_min(config.num_pages))
@@ -96,6 +98,9 @@ class EngineArgs:
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                             help="int8: int8 weights (per channel) times int8 activations (per token); "
                             "4x fewer weight bytes and several times faster matmuls on CPU")  # fmt: skip
+        parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                            help="schedule and prepare step N+1 while the device runs step N; outputs are "
+                            "identical either way")  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -32,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     attention_backend: str = "auto"  # resolved (and checked) by jserve.attention.resolve_attention_backend
+    async_scheduling: bool = True  # prepare step N+1 while the device runs step N (identical outputs)
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -77,6 +78,7 @@ def resolve_engine_config(
     schedule_policy: str = "fcfs",
     attention_backend: str = "auto",
     tensor_parallel_size: int = 1,
+    async_scheduling: bool = True,
 ) -> EngineConfig:
     """`model` is the config as built (KV heads replicated for tensor parallelism); kv_cache_memory is
     per device, and each device holds 1/tensor_parallel_size of every page."""
@@ -103,4 +105,4 @@ def resolve_engine_config(
     if schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
     return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, int(num_pages), seed,
-                        enable_prefix_caching, schedule_policy, attention_backend)  # fmt: skip
+                        enable_prefix_caching, schedule_policy, attention_backend, async_scheduling)  # fmt: skip

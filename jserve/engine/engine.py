@@ -8,15 +8,17 @@ import os
 import time
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
+from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.output_processor import OutputProcessor
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
-from jserve.engine.sampler import bias_entries
-from jserve.engine.scheduler import Scheduler
+from jserve.engine.sampler import SamplerOutput, bias_entries
+from jserve.engine.scheduler import ScheduledSequence, Scheduler
 from jserve.engine.stats import EngineStats
 from jserve.loader import LoadedModel
 from jserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -26,6 +28,15 @@ log = logging.getLogger("jserve")
 
 # Tests set this so any compilation after warm-up fails loudly instead of silently costing seconds.
 FORBID_RECOMPILE_ENV = "JSERVE_FORBID_RECOMPILE"
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A dispatched step: its sequences, which of them sample, and its samples (device arrays)."""
+
+    sequences: list[ScheduledSequence]
+    samples: list[bool]
+    out: SamplerOutput
 
 
 @dataclass
@@ -59,13 +70,17 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.forbid_recompile = os.environ.get(FORBID_RECOMPILE_ENV) == "1"
+        self.timeline = DeviceTimeline(self.stats)
+        self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
+        self._busy = False  # requests were unfinished after the last step: the next one is back to back
         log.info(
             "KV cache: %d pages = %d tokens; max concurrency at max_model_len %d: %.1f",
             config.num_pages, config.num_pages * config.page_size, config.max_model_len,
             config.num_pages * config.page_size / config.max_model_len,
         )  # fmt: skip
-        log.info("Prefix caching %s; schedule policy %s", "on" if config.enable_prefix_caching else "off",
-                 config.schedule_policy)  # fmt: skip
+        log.info("Prefix caching %s; schedule policy %s; async scheduling %s",
+                 "on" if config.enable_prefix_caching else "off", config.schedule_policy,
+                 "on" if config.async_scheduling else "off")  # fmt: skip
         self.runner.warm_up()
 
     # --- requests in -----------------------------------------------------------------------------
@@ -158,53 +173,85 @@ class LLMEngine:
     # --- one step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and process one step; returns the outputs of every request that changed."""
+        """Schedule and launch one step, then process the samples of the step before it (async
+        scheduling: the host works while the device runs) or of this one; returns the outputs of every
+        request that changed."""
         start = time.perf_counter()
         changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
         scheduled = self.scheduler.schedule()
-        stats = self.stats
-        stats.preemptions += len(scheduled.preempted)
-        if scheduled.sequences:
-            before = compile_count()
-            stats.host_s += time.perf_counter() - start
-            samples = self.runner.run(scheduled.sequences, stats)
-            processing = time.perf_counter()
-            if compile_count() != before:
-                message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
-                if self.forbid_recompile:
-                    raise RuntimeError(message)
-                log.warning(message)
-            now = time.monotonic()
-            for row, seq in enumerate(scheduled.sequences):
-                request = seq.request
-                request.num_computed_tokens += seq.num_tokens
-                if seq.start < request.num_prompt_tokens:
-                    stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
-                    self.scheduler.cache_computed(request)
-                if not seq.samples:
-                    continue
-                stats.generated_tokens += 1
-                changed.add(request.parent_id)
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                try:
-                    finish = self.outputs.append(request, samples, row)
-                except Exception:  # one request's failure must not take down the others
-                    log.exception("request %s failed while processing its output; aborting it", request.request_id)
-                    finish = ("abort", None)
-                if finish is not None:
-                    self.scheduler.finish(request, *finish)
-            stats.steps += 1
-            stats.host_s += time.perf_counter() - processing
-            pool = self.scheduler.pool
-            running = len(self.scheduler.running)
-            stats.maybe_log(running, self.scheduler.num_unfinished - running, 1 - pool.num_free / pool.num_pages)
+        self.stats.preemptions += len(scheduled.preempted)
+        launched = self._launch(scheduled.sequences) if scheduled.sequences else None
+        previous, self.in_flight = self.in_flight, launched
+        if not self.config.async_scheduling:
+            previous, self.in_flight = self.in_flight, None
+        waited = self._process(previous, changed) if previous is not None else 0.0
+        if self.in_flight is not None and not any(not p.finished for p in self.parents.values()):
+            waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
+            self.in_flight = None
         results = [self._output(self.parents[pid]) for pid in changed]
         for out in results:
             if out.finished:
                 for child in self.parents.pop(out.request_id).children:
                     self.outputs.forget(child)
+        self._busy = self.has_unfinished_requests()
+        self.stats.host_s += time.perf_counter() - start - waited
         return results
+
+    def _launch(self, sequences: list[ScheduledSequence]) -> LaunchedStep:
+        """Dispatch the step, then advance each request as if it had run: the device runs steps in launch
+        order, so the next step may already read these K/V pages and (by row) these samples."""
+        samples = [seq.samples for seq in sequences]
+        before = compile_count()
+        out = self.runner.launch(sequences)
+        self.timeline.launched(time.perf_counter(), out.token_ids, self._busy)
+        if compile_count() != before:
+            message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
+            if self.forbid_recompile:
+                raise RuntimeError(message)
+            log.warning(message)
+        for row, (seq, sampled) in enumerate(zip(sequences, samples, strict=True)):
+            request = seq.request
+            request.num_computed_tokens += seq.num_tokens
+            if seq.start < request.num_prompt_tokens:
+                self.stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
+                self.scheduler.cache_computed(request)
+            if sampled:
+                request.num_pending += 1
+                request.pending_row = row
+        return LaunchedStep(sequences, samples, out)
+
+    def _process(self, step: LaunchedStep, changed: set[str]) -> float:
+        """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
+        start = time.perf_counter()
+        samples = jax.device_get(step.out)
+        waited = time.perf_counter() - start
+        stats = self.stats
+        now = time.monotonic()
+        for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
+            request = seq.request
+            if not sampled or request.is_finished:  # finished by the step before: this token is surplus
+                continue
+            stats.generated_tokens += 1
+            changed.add(request.parent_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            try:
+                finish = self.outputs.append(request, samples, row)
+            except Exception:  # one request's failure must not take down the others
+                log.exception("request %s failed while processing its output; aborting it", request.request_id)
+                finish = ("abort", None)
+            if finish is not None:
+                self.scheduler.finish(request, *finish)
+        stats.steps += 1
+        pool = self.scheduler.pool
+        running = len(self.scheduler.running)
+        stats.maybe_log(running, self.scheduler.num_unfinished - running, 1 - pool.num_free / pool.num_pages)
+        return waited
+
+    def sync_stats(self) -> EngineStats:
+        """The stats, once the device timeline has accounted for every launched step."""
+        self.timeline.drain()
+        return self.stats
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
         completions = []

@@ -42,7 +42,7 @@ class OutputProcessor:
     def append(self, request: Request, samples: SamplerOutput, row: int) -> tuple[str, int | str | None] | None:
         """Add row's token to the request; returns (finish_reason, stop_reason) if it ends the request."""
         token = int(samples.token_ids[row])
-        request.append_token(token)
+        request.resolve_pending(token)
         request.cumulative_logprob += float(samples.logprobs[row])
         if request.params.logprobs is not None:
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))

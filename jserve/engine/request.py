@@ -36,8 +36,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # All tokens (prompt then output) in a buffer sized for the longest sequence, so slicing is cheap.
     token_buffer: np.ndarray = field(init=False, repr=False)
-    num_tokens: int = field(init=False)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_tokens: int = field(init=False)  # tokens whose ids the host knows
+    # Async scheduling: tokens sampled by launched steps whose ids the host has not fetched yet (0-2), and
+    # the row of the latest launched step's samples that holds the newest of them.
+    num_pending: int = 0
+    pending_row: int = -1
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or written by a launched step)
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
     slot: int = -1  # the engine row (page table, penalty state) while running
     admit_index: int = -1  # order of admission to RUNNING; the latest admitted is preempted first
@@ -60,6 +64,19 @@ class Request:
         self.num_tokens = len(self.prompt_token_ids)
 
     @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence, counting those sampled but not yet fetched: what the scheduler plans with."""
+        return self.num_tokens + self.num_pending
+
+    @property
+    def reached_max_len(self) -> bool:
+        """Its pending tokens already end it by length: scheduling it again would compute a token past the end."""
+        max_tokens = self.params.max_tokens
+        return self.seq_len >= self.max_model_len or (
+            max_tokens is not None and self.seq_len - self.num_prompt_tokens >= max_tokens
+        )
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -78,3 +95,8 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_buffer[self.num_tokens] = token_id
         self.num_tokens += 1
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The oldest pending token's id has arrived from the device."""
+        self.num_pending -= 1
+        self.append_token(token_id)

@@ -19,8 +19,7 @@ from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
 from jserve.engine.config import EngineConfig
 from jserve.engine.sampler import SamplerOutput, SamplingRow, build_sampling_batch, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence
-from jserve.engine.stats import EngineStats
-from jserve.engine.step import PenaltyUpdate, StepInput, jit_engine_step
+from jserve.engine.step import PenaltyUpdate, StepInput, init_sampled, jit_engine_step
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
@@ -41,9 +40,11 @@ class ModelRunner:
         self.penalty_state = jax.device_put(
             init_penalty_state(config.max_num_seqs, model.config.vocab_size), self.input_sharding
         )
+        self.sampled = jax.device_put(init_sampled(config.seq_bucket(config.token_buckets[-1])), self.input_sharding)
         self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
-        # Samples and penalty state replicated, the cache as allocated.
-        self.step_fn = jit_engine_step((self.input_sharding, kv_sharding, self.input_sharding) if mesh else None)
+        # Samples, penalty state and sampled ids replicated, the cache as allocated.
+        replicated = self.input_sharding
+        self.step_fn = jit_engine_step((replicated, kv_sharding, replicated, replicated) if mesh else None)
         log.info(
             "Attention: %s%s%s",
             self.attention.kernel,
@@ -62,15 +63,12 @@ class ModelRunner:
             step = self.prepare([], bucket)
             if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
                 self._exchange(bucket, step)
-            step = jax.device_put(step, self.input_sharding)
             lowered = self.step_fn.lower(
-                self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state, step
-            )
+                self.model.graphdef, self.attention, self.model.params, self.kv_cache, self.penalty_state,
+                self.sampled, step,
+            )  # fmt: skip
             self.executables[bucket] = lowered.compile()
-            out, self.kv_cache, self.penalty_state = self.executables[bucket](
-                self.model.params, self.kv_cache, self.penalty_state, step
-            )
-            jax.block_until_ready(out)
+            jax.block_until_ready(self._execute(bucket, step))
         log.info(
             "Compiled %d step variants (token buckets %s) in %.1fs",
             len(self.executables),
@@ -81,23 +79,20 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.config.token_buckets if b >= num_tokens)
 
-    def run(self, sequences: list[ScheduledSequence], stats: EngineStats) -> SamplerOutput:
-        """One step; returns the samples (numpy), row i for sequences[i]."""
-        start = time.perf_counter()
+    def launch(self, sequences: list[ScheduledSequence]) -> SamplerOutput:
+        """Dispatch one step and return at once: its samples (row i for sequences[i]) are device arrays
+        until fetched. Reads the requests' pending rows, so it runs before the engine marks new ones."""
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
         step = self.prepare(sequences, bucket)
         if self.broadcast:
             self.broadcast.send(bucket, step)
-        dispatched = time.perf_counter()
-        out = jax.device_get(self._execute(bucket, step))
-        stats.host_s += dispatched - start
-        stats.device_s += time.perf_counter() - dispatched
-        return out
+        return self._execute(bucket, step)
 
     def _execute(self, bucket: int, step: StepInput) -> SamplerOutput:
-        out, self.kv_cache, self.penalty_state = self.executables[bucket](
-            self.model.params, self.kv_cache, self.penalty_state, jax.device_put(step, self.input_sharding)
-        )
+        out, self.kv_cache, self.penalty_state, self.sampled = self.executables[bucket](
+            self.model.params, self.kv_cache, self.penalty_state, self.sampled,
+            jax.device_put(step, self.input_sharding),
+        )  # fmt: skip
         return out
 
     def _exchange(self, bucket: int, step: StepInput) -> None:
@@ -142,17 +137,25 @@ class ModelRunner:
         padded_slots[:n] = slots
         reset = np.zeros(num_seqs, bool)
         reset[:n] = [s.first for s in sequences]
+        # A chunk that ends in a token still in flight takes it from the previous step's samples.
+        pending_rows = np.full(bucket, -1, np.int32)
+        ends = np.cumsum(lens) - 1
+        for end, s in zip(ends, sequences, strict=True):
+            if s.request.num_pending and s.start + s.num_tokens == s.request.seq_len:
+                pending_rows[end] = s.request.pending_row
 
         return StepInput(
             model=model,
             sampling=build_sampling_batch([self._sampling_row(s) for s in sequences], num_seqs),
             penalties=PenaltyUpdate(token_slots, is_output, np.arange(bucket) < total, padded_slots, reset),
+            pending_rows=pending_rows,
         )
 
     def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
         request = seq.request
         params = request.params
+        num_output = request.seq_len - request.num_prompt_tokens  # pending tokens count: they exist on device
         suppressed: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             suppressed = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else tuple(self.stop_ids))
-        return SamplingRow(params, request.seed, request.num_output_tokens, request.slot, suppressed)
+        return SamplingRow(params, request.seed, num_output, request.slot, suppressed)

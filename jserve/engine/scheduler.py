@@ -41,8 +41,9 @@ class ScheduledSequence:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the last known token, so its logits give the request's next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """The chunk reaches the sequence's last token, so its logits give the request's next token (read
+        before the step is launched: launching changes the request)."""
+        return self.start + self.num_tokens == self.request.seq_len
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.reached_max_len:  # its last token is still in flight; it finishes when that is fetched
+                i += 1
+                continue
+            n = min(request.seq_len - request.num_computed_tokens, budget)
             while not self._reserve_pages(request, request.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -112,7 +116,7 @@ class Scheduler:
             if match is not None:
                 self.cache.lock(match.node)
             start = match.node.end if match is not None else request.num_computed_tokens
-            n = min(request.num_tokens - start, budget)
+            n = min(request.seq_len - start, budget)
             matched = match.num_pages if match is not None else 0
             if not self._can_allocate(-(-(start + n) // self.config.page_size) - matched):
                 if match is not None:

@@ -14,8 +14,9 @@ LOG_INTERVAL_S = 10.0
 @dataclass
 class EngineStats:
     steps: int = 0
-    host_s: float = 0.0  # scheduling, building the batch arrays, processing outputs
-    device_s: float = 0.0  # from dispatching the step to having its samples on the host
+    host_s: float = 0.0  # scheduling, building and dispatching the batch, processing outputs (not waiting)
+    device_busy_s: float = 0.0  # steps running on the device (see device_timeline.py)
+    device_idle_s: float = 0.0  # gaps between steps while work was waiting: overhead the device felt
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
     generated_tokens: int = 0
     preemptions: int = 0
@@ -23,6 +24,10 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     _last_log: float = field(default_factory=time.monotonic, repr=False)
     _last_counts: tuple[int, int] = (0, 0)
+
+    @property
+    def device_idle_fraction(self) -> float:
+        return self.device_idle_s / max(self.device_idle_s + self.device_busy_s, 1e-9)
 
     def maybe_log(self, running: int, waiting: int, kv_used: float) -> None:
         now = time.monotonic()
@@ -33,8 +38,8 @@ class EngineStats:
         hit_rate = 100 * self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
         log.info(
             "prefill %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.0f%% used; "
-            "prefix cache hit rate %.1f%%; host %.1f%% of step time; %d preemptions so far",
+            "prefix cache hit rate %.1f%%; host %.1f ms/step, device idle %.1f%%; %d preemptions so far",
             prompt / elapsed, generated / elapsed, running, waiting, 100 * kv_used, hit_rate,
-            100 * self.host_s / max(self.host_s + self.device_s, 1e-9), self.preemptions,
+            1000 * self.host_s / max(self.steps, 1), 100 * self.device_idle_fraction, self.preemptions,
         )  # fmt: skip
         self._last_log, self._last_counts = now, (self.prompt_tokens, self.generated_tokens)

@@ -1,10 +1,16 @@
-"""The engine's one jitted step: run the model on a padded mixed batch, then sample each sequence on device."""
+"""The engine's one jitted step: run the model on a padded mixed batch, then sample each sequence on device.
+
+Besides the KV cache and the penalty state, the step carries its sampled token ids to the next step on the
+device, so a token sampled by step N can be step N+1's input before the host has fetched it (async
+scheduling): the host marks such inputs with the row of step N's samples that holds them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jserve.attention import AttentionBackend, KVCache, ModelInput
@@ -29,6 +35,12 @@ class StepInput:
     model: ModelInput
     sampling: SamplingBatch
     penalties: PenaltyUpdate
+    pending_rows: jax.Array  # [T] i32: -1, or the row of the previous step's samples that is this token
+
+
+def init_sampled(num_rows: int) -> jax.Array:
+    """The carried sampled ids: one row per sequence slot of the largest bucket."""
+    return jnp.zeros(num_rows, jnp.int32)
 
 
 def engine_step(
@@ -37,17 +49,23 @@ def engine_step(
     params: nnx.State,
     kv_cache: KVCache,
     penalty_state: PenaltyState,
+    sampled: jax.Array,
     step: StepInput,
-) -> tuple[SamplerOutput, KVCache, PenaltyState]:
-    logits, kv_cache = nnx.merge(graphdef, params)(step.model, kv_cache, attention)
+) -> tuple[SamplerOutput, KVCache, PenaltyState, jax.Array]:
+    rows = step.pending_rows
+    token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], step.model.token_ids)
+    model_input = replace(step.model, token_ids=token_ids)
+    logits, kv_cache = nnx.merge(graphdef, params)(model_input, kv_cache, attention)
     p = step.penalties
     penalty_state = update_penalty_state(
-        penalty_state, step.model.token_ids, p.token_slots, p.is_output, p.valid, p.reset_slots, p.reset
+        penalty_state, token_ids, p.token_slots, p.is_output, p.valid, p.reset_slots, p.reset
     )
-    return sample(logits, step.sampling, penalty_state), kv_cache, penalty_state
+    out = sample(logits, step.sampling, penalty_state)
+    return out, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
 
 
 def jit_engine_step(out_shardings=None):
-    """engine_step compiled with the KV cache and penalty state donated. With tensor parallelism the
-    runner pins the output shardings to the input ones, so donated state keeps its layout step to step."""
-    return jax.jit(engine_step, static_argnums=(0, 1), donate_argnums=(3, 4), out_shardings=out_shardings)
+    """engine_step compiled with the carried state (KV cache, penalty state, sampled ids) donated. With
+    tensor parallelism the runner pins the output shardings to the input ones, so donated state keeps its
+    layout step to step."""
+    return jax.jit(engine_step, static_argnums=(0, 1), donate_argnums=(3, 4, 5), out_shardings=out_shardings)
