@@ -216,7 +216,8 @@ def main() -> None:
         model_path = default_model_path() if args.model is None else Path(args.model)
         results.append(run_hf(model_path, work, args.baseline_requests))
     print(f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
-          f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, {llm.engine.model.dtype.name}, "
+          f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, {llm.engine.model.dtype.name}"
+          f"{' int8' if args.quantization == 'int8' else ''}, "
           f"attention {llm.engine.runner.attention.kernel}, {jax.devices()[0].device_kind}")  # fmt: skip
     report(results)
 

@@ -51,7 +51,7 @@ class AttentionBackend:
         soft_cap: float | None = None,
     ) -> tuple[jax.Array, KVPages]:
         """-> (attention output [T, heads, head_dim] in q's dtype, pages with the new K/V written)."""
-        local = partial(self._attend, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        local = partial(_attend, backend=self, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if self.mesh is None:
             return local(q, k, v, pages, meta)
         heads = PartitionSpec(None, MODEL_AXIS, None)
@@ -60,27 +60,30 @@ class AttentionBackend:
                                 out_specs=(heads, kv), check_vma=False)  # fmt: skip
         return sharded(q, k, v, pages, meta)
 
-    def _attend(self, q, k, v, pages: KVPages, meta: AttentionMetadata, *, scale, sliding_window, soft_cap):
-        pages = write_kv(pages, k, v, meta.slot_mapping)
-        if self.kernel == "reference":
-            return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
-        if self.kernel == "pallas-gpu":
-            from pallas_kernels.gpu import ragged_paged_attention
-        else:
-            from pallas_kernels.tpu import ragged_paged_attention
-        out = ragged_paged_attention(
-            q,
-            pages.k,
-            pages.v,
-            meta.context_lens,
-            meta.page_tables,
-            meta.query_start_loc,
-            scale=scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            interpret=self.interpret,
-        )
-        return out, pages
+# Jitted so that a step traces and lowers one layer's attention once and calls it from every layer (the
+# arguments' shapes are the same): start-up tracing was mostly this, 30 times over. XLA inlines it again.
+@partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
+def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
+    pages = write_kv(pages, k, v, meta.slot_mapping)
+    if backend.kernel == "reference":
+        return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
+    if backend.kernel == "pallas-gpu":
+        from pallas_kernels.gpu import ragged_paged_attention
+    else:
+        from pallas_kernels.tpu import ragged_paged_attention
+    out = ragged_paged_attention(
+        q,
+        pages.k,
+        pages.v,
+        meta.context_lens,
+        meta.page_tables,
+        meta.query_start_loc,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=backend.interpret,
+    )
+    return out, pages
 
 
 REFERENCE = AttentionBackend()
