@@ -290,9 +290,11 @@ def test_metrics_names(server, client):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
                  "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
-                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):  # fmt: skip
+                 "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket", "engine_steps_total",
+                 "engine_host_seconds_total", "device_busy_seconds_total", "device_idle_seconds_total"):  # fmt: skip
         assert f"jserve:{name}" in text, name
     assert server.metric("generation_tokens_total") >= 3
+    assert server.metric("engine_steps_total") >= 3 and server.metric("engine_host_seconds_total") > 0
 
 
 # --- a second server: auth, queue limit, soak ----------------------------------------------------

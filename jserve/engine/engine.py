@@ -185,7 +185,7 @@ class LLMEngine:
         if not self.config.async_scheduling:
             previous, self.in_flight = self.in_flight, None
         waited = self._process(previous, changed) if previous is not None else 0.0
-        if self.in_flight is not None and not any(not p.finished for p in self.parents.values()):
+        if self.in_flight is not None and all(p.finished for p in self.parents.values()):
             waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
             self.in_flight = None
         results = [self._output(self.parents[pid]) for pid in changed]

@@ -28,6 +28,11 @@ class ServerMetrics:
         self.preemptions = make(Counter, "num_preemptions", "Requests preempted (to be recomputed)")
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prefill tokens computed")
         self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
+        self.steps = make(Counter, "engine_steps", "Engine steps run")
+        self.host_seconds = make(Counter, "engine_host_seconds", "Host time in steps: scheduling, batch "
+                                 "building, dispatch, output processing (not waiting for the device)")  # fmt: skip
+        self.device_busy = make(Counter, "device_busy_seconds", "Time the device spent running steps")
+        self.device_idle = make(Counter, "device_idle_seconds", "Device idle between steps while work waited")
         success = make(Counter, "request_success", "Completions finished, by reason", labelnames=("finished_reason",))
         reasons = ("stop", "length", "abort")
         self.success = {reason: success.labels(finished_reason=reason, **labels) for reason in reasons}
@@ -37,7 +42,7 @@ class ServerMetrics:
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
         self.queue_time = make(Histogram, "request_queue_time_seconds", "Arrival to first scheduled",
                                buckets=LATENCY_BUCKETS)  # fmt: skip
-        self._counted = (0, 0, 0, 0, 0)
+        self._counted = (0,) * 9
         self._last_token: dict[tuple[str, int], tuple[float, int]] = {}  # (request, completion) -> (time, tokens)
         self._started: set[str] = set()  # requests whose first token was counted
 
@@ -48,8 +53,9 @@ class ServerMetrics:
         self.waiting.set(scheduler.num_unfinished - running)
         self.kv_usage.set(1 - scheduler.pool.num_free / scheduler.pool.num_pages)
         counts = (stats.prompt_tokens, stats.generated_tokens, stats.preemptions, stats.prefix_cache_queries,
-                  stats.prefix_cache_hits)  # fmt: skip
-        counters = (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits)
+                  stats.prefix_cache_hits, stats.steps, stats.host_s, stats.device_busy_s, stats.device_idle_s)  # fmt: skip
+        counters = (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits,
+                    self.steps, self.host_seconds, self.device_busy, self.device_idle)  # fmt: skip
         for counter, now, before in zip(counters, counts, self._counted, strict=True):
             if now > before:
                 counter.inc(now - before)
