@@ -83,7 +83,9 @@ class ModelRunner:
                     self.sampled, step,
                 )  # fmt: skip
                 compiling.append((bucket, step, compiler.submit(lowered.compile)))
-                while compiling and compiling[0][2].done():
+                # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
+                # order, so there first runs wait until every bucket is exchanged.
+                while compiling and compiling[0][2].done() and not self.broadcast:
                     self._first_run(*compiling.pop(0), progress)
             while compiling:
                 self._first_run(*compiling.pop(0), progress)
