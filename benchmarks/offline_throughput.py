@@ -60,7 +60,7 @@ def make_workload(args, vocab_size: int) -> Workload:
     return Workload(prompts, outputs)
 
 
-def run_jserve(llm: LLM, work: Workload, static: bool = False, sync: bool = False) -> Result:
+def run_jserve(llm: LLM, work: Workload, static: bool = False, sync: bool = False, label: str = "") -> Result:
     """All requests arrive at once. Continuous: one generate call. Static: batches of max_num_seqs, each
     running every row to the batch's longest output (as a padded static batch computes) before the next.
     Sync: the same engine with async scheduling switched off for the run."""
@@ -83,7 +83,7 @@ def run_jserve(llm: LLM, work: Workload, static: bool = False, sync: bool = Fals
     seconds = time.perf_counter() - start
     engine.sync_stats()
     return Result(
-        "jserve static" if static else "jserve sync" if sync else "jserve continuous",
+        ("jserve static" if static else "jserve sync" if sync else "jserve continuous") + label,
         seconds,
         sum(map(len, work.prompts)),
         sum(work.output_lens),  # useful tokens only: a static batch's padding rows do not count
@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--static", action="store_true", help="also run static batching")
     parser.add_argument("--sync", action="store_true", help="also run with async scheduling off")
+    parser.add_argument("--compare-attention", choices=ATTENTION_BACKENDS, default=None, metavar="BACKEND",
+                        help="also run an engine on this attention backend (continuous), alternating")  # fmt: skip
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each jserve mode, alternated; medians")
@@ -196,18 +198,26 @@ def main() -> None:
     if args.random_weights and args.baseline:
         parser.error("--baseline needs a real checkpoint, not --random-weights")
     model = f"random:{args.random_weights}" if args.random_weights else args.model
-    start = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-              attention_backend=args.attention_backend, quantization=args.quantization)  # fmt: skip
-    print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets): {time.perf_counter() - start:.1f}s")
-    work = make_workload(args, llm.engine.model.config.vocab_size)
-    llm.generate(work.prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
+    def engine(attention_backend: str) -> LLM:
+        start = time.perf_counter()
+        llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                  attention_backend=attention_backend, quantization=args.quantization)  # fmt: skip
+        print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
+              f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s")  # fmt: skip
+        llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
+        return llm
 
-    modes = [{}] + [{"sync": True}] * args.sync + [{"static": True}] * args.static
+    llm = engine(args.attention_backend)
+    work = make_workload(args, llm.engine.model.config.vocab_size)
+    modes = [(llm, {})] + [(llm, {"sync": True})] * args.sync + [(llm, {"static": True})] * args.static
+    if args.compare_attention:
+        other = engine(args.compare_attention)
+        label = lambda e: f" [{e.engine.runner.attention.kernel}]"  # noqa: E731
+        modes = [(e, {**mode, "label": label(e)}) for e, mode in modes] + [(other, {"label": label(other)})]
     results = []
     for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike
-        results += [run_jserve(llm, work, **mode) for mode in modes]
+        results += [run_jserve(e, work, **mode) for e, mode in modes]
         if args.repeats > 1:
             print(f"repeat {repeat + 1}/{args.repeats}:", *(f"{r.name} {r.output_tokens / r.seconds:.1f} tok/s"
                                                            for r in results[-len(modes) :]))  # fmt: skip

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jserve import SamplingParams
-from jserve.attention import REFERENCE, AttentionBackend, resolve_attention_backend
+from jserve.attention import CPU, REFERENCE, AttentionBackend, cpu_kernel, resolve_attention_backend
 from jserve.loader import load_model
 
 from test_engine import GREEDY, prompts, tiny_llm, token_ids
@@ -21,7 +21,8 @@ from tiny_models import (
 @pytest.mark.parametrize(
     "name,platform,expected",
     [
-        ("auto", "cpu", REFERENCE),
+        ("auto", "cpu", CPU),
+        ("cpu", "cpu", CPU),
         ("auto", "gpu", AttentionBackend("pallas-gpu")),
         ("auto", "tpu", AttentionBackend("pallas-tpu")),
         ("reference", "gpu", REFERENCE),
@@ -35,6 +36,13 @@ def test_backend_resolution(name, platform, expected):
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_attention_backend("flash")
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_attention_backend("cpu", "gpu")
+
+
+def test_auto_falls_back_to_the_reference_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    assert resolve_attention_backend("auto", "cpu") == REFERENCE
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral-sliding", "qwen3", "llama-tied-mqa"])
@@ -49,7 +57,8 @@ def test_engine_on_pallas_kernels_matches_transformers_and_reference(tmp_path, v
     assert pallas.engine.runner.attention == AttentionBackend("pallas-gpu", interpret=True)
     got = token_ids(pallas.generate(batch, params, use_tqdm=False))
     assert_engine_idle(pallas)
-    assert got == token_ids(tiny_llm(tmp_path, max_num_batched_tokens=32).generate(batch, params, use_tqdm=False))
+    reference = tiny_llm(tmp_path, attention_backend="reference", max_num_batched_tokens=32)
+    assert got == token_ids(reference.generate(batch, params, use_tqdm=False))
     assert got == [reference_greedy(hf_model, p, params.max_tokens) for p in batch]
 
 
@@ -65,10 +74,11 @@ def test_pallas_output_does_not_depend_on_the_batch(tiny_llama_checkpoint):
     assert_engine_idle(llm)
 
 
-@pytest.mark.parametrize("kernel", ["pallas-gpu", "pallas-tpu"])
+@pytest.mark.parametrize("kernel", ["cpu", "pallas-gpu", "pallas-tpu", "reference"])
 def test_model_logits_through_each_kernel_match_transformers(tmp_path, kernel):
-    """Both kernels (interpret mode) inside the model: prompt logits within 1e-4 of transformers'."""
+    """Every kernel inside the model (Pallas ones in interpret mode): prompt logits within 1e-4 of transformers'."""
     hf_model = save_tiny_checkpoint(tmp_path, "qwen3", **VARIANTS["qwen3"][1])
     prompt = prompts(1, seed=5, low=40, high=41)[0]
-    logits = jserve_prompt_logits(load_model(tmp_path, dtype="float32"), prompt, AttentionBackend(kernel, True))
+    backend = AttentionBackend(kernel, interpret=kernel.startswith("pallas"))
+    logits = jserve_prompt_logits(load_model(tmp_path, dtype="float32"), prompt, backend)
     np.testing.assert_allclose(logits, reference_logits(hf_model, prompt), atol=1e-4)

@@ -6,10 +6,12 @@ sequence's pages: causal within each sequence, GQA, optional sliding window and 
 Query tokens past query_start_loc[-1] are padding and come back as zeros.
 
 Backends:
-  reference   plain JAX (`jserve.attention.reference`); the CPU default and the fallback everywhere.
+  reference   plain JAX (`jserve.attention.reference`); the fallback everywhere.
+  cpu         the C++ kernel of `jserve.attention.cpu_kernel` (XLA FFI, built on first use; float32 pages
+              of the usual head dims, others take the reference).
   pallas      the kernels of `pallas_kernels`: the Triton-lowered kernel on GPUs, the Mosaic kernel on
               TPUs; on CPU the GPU kernel in Pallas interpret mode (slow: for tests).
-  auto        pallas on GPU and TPU, reference on CPU.
+  auto        pallas on GPU and TPU; on CPU the cpu kernel, or the reference where it cannot be built.
 The K/V write stays an XLA scatter for every backend: with the cache donated it updates in place.
 """
 
@@ -22,19 +24,20 @@ from functools import partial
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from jserve.attention import cpu_kernel
 from jserve.attention.kv_cache import KVPages
 from jserve.attention.metadata import AttentionMetadata
 from jserve.attention.reference import paged_attention, write_kv
 from jserve.parallel import MODEL_AXIS, kv_cache_spec
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     """A hashable attention implementation: it is a static argument of the jitted step."""
 
-    kernel: str = "reference"  # "reference", "pallas-gpu" or "pallas-tpu"
+    kernel: str = "reference"  # "reference", "cpu", "pallas-gpu" or "pallas-tpu"
     interpret: bool = False  # run the Pallas kernel in interpret mode (on CPU)
     mesh: Mesh | None = None  # tensor parallelism: each device attends its own heads (shard_map)
 
@@ -65,28 +68,26 @@ class AttentionBackend:
 @partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
 def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
     pages = write_kv(pages, k, v, meta.slot_mapping)
-    if backend.kernel == "reference":
+    kernel = backend.kernel
+    if kernel == "cpu" and not cpu_kernel.supports(pages.k.dtype, pages.k.shape[-1]):
+        kernel = "reference"
+    if kernel == "reference":
         return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
-    if backend.kernel == "pallas-gpu":
-        from pallas_kernels.gpu import ragged_paged_attention
+    if kernel == "cpu":
+        attend = cpu_kernel.ragged_paged_attention
     else:
-        from pallas_kernels.tpu import ragged_paged_attention
-    out = ragged_paged_attention(
-        q,
-        pages.k,
-        pages.v,
-        meta.context_lens,
-        meta.page_tables,
-        meta.query_start_loc,
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        interpret=backend.interpret,
-    )
+        if kernel == "pallas-gpu":
+            from pallas_kernels.gpu import ragged_paged_attention
+        else:
+            from pallas_kernels.tpu import ragged_paged_attention
+        attend = partial(ragged_paged_attention, interpret=backend.interpret)
+    out = attend(q, pages.k, pages.v, meta.context_lens, meta.page_tables, meta.query_start_loc,
+                 scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
     return out, pages
 
 
 REFERENCE = AttentionBackend()
+CPU = AttentionBackend("cpu")
 
 
 def resolve_attention_backend(
@@ -101,7 +102,12 @@ def _backend_for(name: str, platform: str | None) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     platform = platform or jax.default_backend()
-    if name == "reference" or (name == "auto" and platform == "cpu"):
+    if name == "cpu" and platform != "cpu":
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU only, not on {platform}")
+    if name == "cpu" or (name == "auto" and platform == "cpu"):
+        # auto falls back to the reference where no compiler can build the kernel; an explicit cpu raises
+        return CPU if name == "cpu" or cpu_kernel.available() else REFERENCE
+    if name == "reference":
         return REFERENCE
     if platform == "tpu":
         return AttentionBackend("pallas-tpu")

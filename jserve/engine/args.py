@@ -14,7 +14,7 @@ from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.config import resolve_engine_config
 from jserve.engine.engine import LLMEngine
 from jserve.loader import load_model
-from jserve.loader.default_model import cache_dir
+from jserve.paths import cache_dir
 from jserve.models.quantization import QUANTIZATIONS
 from jserve.parallel import make_mesh
 from jserve.parallel.distributed import agree_on_min
@@ -43,7 +43,7 @@ class EngineArgs:
     schedule_policy: str = "fcfs"  # "lpm": longest cached prefix first
     tensor_parallel_size: int = 1
     seed: int = 0
-    attention_backend: str = "auto"  # "reference" (plain JAX) or "pallas" kernels; auto: pallas off CPU
+    attention_backend: str = "auto"  # "reference" (plain JAX), "cpu" (C++) or "pallas"; auto picks per platform
     quantization: str = "none"  # "int8": int8 weights and activations in every projection
     async_scheduling: bool = True  # the host prepares step N+1 while the device runs step N
 
@@ -94,7 +94,8 @@ class EngineArgs:
                             help="devices to split each layer's heads and MLP over")  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                            help="auto: Pallas kernels on GPU/TPU, the plain-JAX reference on CPU")  # fmt: skip
+                            help="auto: Pallas kernels on GPU/TPU, the C++ kernel on CPU (the plain-JAX "
+                            "reference where no compiler can build it)")  # fmt: skip
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                             help="int8: int8 weights (per channel) times int8 activations (per token); "
                             "4x fewer weight bytes and several times faster matmuls on CPU")  # fmt: skip

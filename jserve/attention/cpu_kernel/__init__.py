@@ -1,0 +1,127 @@
+"""The native CPU paged-attention kernel: C++ behind XLA's FFI, built on first use with the system compiler.
+
+The source (paged_attention.cc) is compiled once per machine, source, compiler and jaxlib, with
+-march=native, into $JSERVE_CACHE/kernels/, and registered as an XLA custom call. Without a C++ compiler
+`available()` is False and the CPU runs the plain-JAX reference instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.paths import cache_dir
+
+log = logging.getLogger("jserve")
+
+SOURCE = Path(__file__).with_name("paged_attention.cc")
+TARGET = "jserve_ragged_paged_attention"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (AttendItem)
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built here (no C++ compiler, or it failed)."""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _cpu_model() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(), jax.__version__.encode(),
+                 platform.machine().encode(), _cpu_model().encode()):  # fmt: skip
+        key.update(part)
+    return cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """The kernel's shared library, compiled unless this machine's cache already holds it."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    library = _library_path(compiler)
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    log.info("Building the CPU attention kernel with %s", compiler)
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        built = Path(tmp) / library.name
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            errors = [line for line in result.stderr.splitlines() if "error" in line]
+            raise KernelUnavailable("building the CPU attention kernel failed:\n" + "\n".join(errors[:10]))
+        os.replace(built, library)  # atomic: concurrent builders each publish a whole library
+    return library
+
+
+@functools.cache
+def load() -> None:
+    """Build the kernel if needed and register it with XLA, once per process; KernelUnavailable if it cannot be."""
+    handler = ctypes.cdll.LoadLibrary(str(build())).JserveRaggedPagedAttention
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        load()
+    except KernelUnavailable as error:
+        log.warning("%s; the CPU uses the plain-JAX attention instead", error)
+        return False
+    return True
+
+
+def supports(dtype, head_dim: int) -> bool:
+    """Whether the kernel takes these pages; others go to the reference."""
+    return dtype == jnp.float32 and head_dim in SUPPORTED_HEAD_DIMS
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    context_lens: jax.Array,
+    page_tables: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """The attention contract's attend half (the pages already hold this step's K/V), for pages that
+    `supports` takes."""
+    load()
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(
+        q.astype(jnp.float32),
+        k_pages,
+        v_pages,
+        context_lens,
+        page_tables,
+        query_start_loc,
+        scale=np.float32(scale),
+        sliding_window=np.int64(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    ).astype(q.dtype)

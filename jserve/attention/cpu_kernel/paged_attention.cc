@@ -1,0 +1,279 @@
+// Ragged paged attention for CPUs: the contract of jserve/attention/backend.py as an XLA FFI custom call.
+//
+// XLA:CPU has no fused gather-matmul, so the plain-JAX reference copies every K/V block it gathers and then
+// reads it again. Here each key is read once, straight from its page. A work item is a block of up to
+// kQueryBlock query tokens of one sequence, with all their heads, so every page is read whole and in order;
+// it walks its causal key range a tile of kLanes keys at a time with an online softmax. Items are spread
+// over XLA's intra-op thread pool. Measured against the reference: docs/benchmarks.md.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kQueryBlock = 16;  // query tokens of one sequence in one work item
+constexpr float kMaskValue = -1e30f;
+
+struct Problem {
+  const float* q;  // [tokens, heads, dim]
+  const float* k;  // [pages, page_size, kv_heads, dim]
+  const float* v;
+  const int32_t* context_lens;     // [seqs]
+  const int32_t* page_tables;      // [seqs, max_pages]
+  const int32_t* query_start_loc;  // [seqs + 1]
+  float* out;                      // [tokens, heads, dim]
+  int64_t heads, kv_heads, dim, page_size, max_pages;
+  float scale;
+  int64_t window;  // 0: none
+  float soft_cap;  // 0: none
+};
+
+struct WorkItem {
+  int32_t seq, first, count;  // query tokens [first, first + count) of `seq`, every head
+};
+
+// Portable SIMD through GCC/Clang vector extensions: 16 float lanes, compiled to whatever the CPU has.
+constexpr int kLanes = 16;
+typedef float Vec __attribute__((vector_size(4 * kLanes), aligned(4)));  // aligned(4): unaligned loads are fine
+typedef int32_t IVec __attribute__((vector_size(4 * kLanes), aligned(4)));
+constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline float Sum(Vec v) {
+  typedef float Half __attribute__((vector_size(32)));
+  typedef float Quarter __attribute__((vector_size(16)));
+  Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+inline float Max(Vec v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e), the fraction by a degree-6 polynomial
+// (relative error ~2e-7), the integer part in the exponent bits; below -126 * ln 2 it is 0.
+inline Vec Exp(Vec x) {
+  const Vec t = x * 1.44269504088896341f;
+  const Vec clamped = t < -126.0f ? Vec{} - 126.0f : t;
+  IVec whole = __builtin_convertvector(clamped, IVec);  // truncates toward zero: floor for the negatives
+  whole -= clamped < __builtin_convertvector(whole, Vec) ? 1 : 0;
+  const Vec f = clamped - __builtin_convertvector(whole, Vec);  // in [0, 1)
+  Vec poly = Vec{} + 1.535336188319500e-4f;
+  poly = poly * f + 1.339887440266574e-3f;
+  poly = poly * f + 9.618437357674640e-3f;
+  poly = poly * f + 5.550332471162809e-2f;
+  poly = poly * f + 2.402264791363012e-1f;
+  poly = poly * f + 6.931472028550421e-1f;
+  poly = poly * f + 1.0f;
+  const IVec bits = reinterpret_cast<IVec&>(poly) + (whole << 23);
+  return t < -126.0f ? Vec{} : reinterpret_cast<const Vec&>(bits);
+}
+
+// One item: rows m = (token i, query head h), m = i * heads + h, each a head_dim vector of kChunks * kLanes.
+// An item covers every head, so each page is read whole and in order (all KV heads of a slot are adjacent).
+template <int kChunks>
+void Attend(const Problem& p, const WorkItem& w) {
+  const int64_t heads = p.heads, group = heads / p.kv_heads, rows = w.count * heads;
+  const int64_t seq_end = p.query_start_loc[w.seq + 1];
+  const int64_t context = p.context_lens[w.seq];
+  const int32_t* table = p.page_tables + w.seq * p.max_pages;
+  const int64_t slot_floats = p.kv_heads * p.dim;  // one slot: every KV head's row
+
+  thread_local std::vector<Vec> buffer;
+  buffer.assign(rows * (2 * kChunks + 1), Vec{});
+  Vec* q = buffer.data();              // [rows][kChunks], scaled
+  Vec* acc = q + rows * kChunks;       // [rows][kChunks]
+  Vec* scores = acc + rows * kChunks;  // [rows]: the tile's scores, then probabilities
+  thread_local std::vector<float> stats;
+  stats.assign(2 * rows, 0.0f);
+  float* running_max = stats.data();
+  float* denom = running_max + rows;
+  for (int64_t m = 0; m < rows; ++m) running_max[m] = kMaskValue;
+  const float* q_src = p.q + w.first * heads * p.dim;
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int c = 0; c < kChunks; ++c) q[m * kChunks + c] = *reinterpret_cast<const Vec*>(q_src + m * p.dim + c * kLanes) * p.scale;
+  }
+  // Query token i sits at position context - (seq_end - token); it sees keys [position - window + 1, position].
+  const int64_t first_position = context - (seq_end - w.first), last = first_position + w.count - 1;
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_position - p.window + 1) : 0;
+  auto slot_offset = [&](int64_t key) {
+    return (int64_t(table[key / p.page_size]) * p.page_size + key % p.page_size) * slot_floats;
+  };
+
+  int64_t offsets[kLanes];
+  for (int64_t start = lo - lo % kLanes; start <= last; start += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, last + 1 - start);
+    for (int64_t j = 0; j < n; ++j) offsets[j] = slot_offset(start + j);
+    // The next tile is on another page, which no hardware prefetcher can guess: ask for it now.
+    for (int64_t key = start + kLanes; key < std::min<int64_t>(start + 2 * kLanes, last + 1); ++key) {
+      const int64_t offset = slot_offset(key);
+      for (int64_t f = 0; f < slot_floats; f += 16) {
+        __builtin_prefetch(p.k + offset + f);
+        __builtin_prefetch(p.v + offset + f);
+      }
+    }
+    for (int64_t m = 0; m < rows; ++m) scores[m] = Vec{};
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
+        Vec k[kChunks];
+        const float* k_row = p.k + offsets[j] + kv * p.dim;
+        for (int c = 0; c < kChunks; ++c) k[c] = *reinterpret_cast<const Vec*>(k_row + c * kLanes);
+        for (int64_t i = 0; i < w.count; ++i) {
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t m = i * heads + kv * group + g;
+            Vec dot = q[m * kChunks] * k[0];
+            for (int c = 1; c < kChunks; ++c) dot += q[m * kChunks + c] * k[c];
+            scores[m][j] = Sum(dot);
+          }
+        }
+      }
+    }
+    const IVec key = int32_t(start) + kIota;
+    for (int64_t m = 0; m < rows; ++m) {
+      const int32_t pos = int32_t(first_position + m / heads);
+      const int32_t first_key = p.window > 0 ? int32_t(pos - p.window + 1) : 0;
+      Vec s = scores[m];
+      if (p.soft_cap > 0.0f) {
+        for (int l = 0; l < kLanes; ++l) s[l] = p.soft_cap * std::tanh(s[l] / p.soft_cap);
+      }
+      const IVec visible = (kIota < int32_t(n)) & (key <= pos) & (key >= first_key);
+      s = visible ? s : Vec{} + kMaskValue;
+      const float tile_max = Max(s);
+      if (tile_max <= kMaskValue) {  // nothing visible to this row in the tile
+        scores[m] = Vec{};
+        continue;
+      }
+      const float new_max = std::max(running_max[m], tile_max);
+      const float correction = std::exp(running_max[m] - new_max);
+      const Vec probs = visible ? Exp(s - new_max) : Vec{};
+      scores[m] = probs;
+      running_max[m] = new_max;
+      denom[m] = denom[m] * correction + Sum(probs);
+      if (correction != 1.0f) {
+        for (int c = 0; c < kChunks; ++c) acc[m * kChunks + c] *= correction;
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
+        Vec v[kChunks];
+        const float* v_row = p.v + offsets[j] + kv * p.dim;
+        for (int c = 0; c < kChunks; ++c) v[c] = *reinterpret_cast<const Vec*>(v_row + c * kLanes);
+        for (int64_t i = 0; i < w.count; ++i) {
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t m = i * heads + kv * group + g;
+            const float pj = scores[m][j];
+            for (int c = 0; c < kChunks; ++c) acc[m * kChunks + c] += pj * v[c];
+          }
+        }
+      }
+    }
+  }
+  float* dst = p.out + w.first * heads * p.dim;
+  for (int64_t m = 0; m < rows; ++m) {
+    const float inv = denom[m] > 0.0f ? 1.0f / denom[m] : 0.0f;
+    for (int c = 0; c < kChunks; ++c) *reinterpret_cast<Vec*>(dst + m * p.dim + c * kLanes) = acc[m * kChunks + c] * inv;
+  }
+}
+
+// Head dims the kernel is compiled for (SUPPORTED_HEAD_DIMS in __init__.py; others take the reference).
+void AttendItem(const Problem& p, const WorkItem& w) {
+  switch (p.dim / kLanes) {
+    case 2: return Attend<2>(p, w);
+    case 4: return Attend<4>(p, w);
+    case 5: return Attend<5>(p, w);
+    case 6: return Attend<6>(p, w);
+    case 8: return Attend<8>(p, w);
+    case 16: return Attend<16>(p, w);
+  }
+}
+
+// Claims items from a shared counter on the calling thread and on pool threads; returns when all are done.
+// A pool task that starts late finds nothing to claim and touches nothing but the shared counters, so the
+// caller never waits for a task that has not started (no deadlock when the pool's threads are busy).
+struct Progress {
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable finished;
+};
+
+void RunAll(ffi::ThreadPool& pool, const Problem& p, const std::vector<WorkItem>& items) {
+  const int64_t total = items.size();
+  if (total == 0) return;
+  auto progress = std::make_shared<Progress>();
+  auto work = [progress, total, &p, &items] {
+    for (int64_t i; (i = progress->next.fetch_add(1)) < total;) {
+      AttendItem(p, items[i]);
+      if (progress->done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(progress->mu);
+        progress->finished.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
+  work();
+  std::unique_lock<std::mutex> lock(progress->mu);
+  progress->finished.wait(lock, [&] { return progress->done.load() == total; });
+}
+
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                                ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> context_lens,
+                                ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
+                                float soft_cap) {
+  const auto q_dims = q.dimensions(), kv_dims = k_pages.dimensions(), table_dims = page_tables.dimensions();
+  if (q_dims.size() != 3 || kv_dims.size() != 4 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q must be 3-D, pages 4-D, page tables 2-D");
+  }
+  const int64_t tokens = q_dims[0], heads = q_dims[1], dim = q_dims[2], seqs = table_dims[0];
+  if (kv_dims[3] != dim || heads % kv_dims[2] != 0) {
+    return ffi::Error::InvalidArgument("paged attention: head_dim or GQA group does not match the pages");
+  }
+  Problem p{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), context_lens.typed_data(),
+            page_tables.typed_data(), query_start_loc.typed_data(), out->typed_data(), heads, kv_dims[2], dim,
+            kv_dims[1], table_dims[1], scale, sliding_window, soft_cap};
+
+  std::vector<WorkItem> items;
+  for (int32_t s = 0; s < seqs; ++s) {
+    const int32_t begin = p.query_start_loc[s], end = p.query_start_loc[s + 1];
+    for (int32_t first = begin; first < end; first += kQueryBlock) {
+      items.push_back({s, first, std::min(kQueryBlock, end - first)});
+    }
+  }
+  // Longest first (prefill blocks before decodes), so no thread is left with a long item at the end.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.count > b.count; });
+  const int64_t real = std::clamp<int64_t>(p.query_start_loc[seqs], 0, tokens);
+  std::memset(p.out + real * heads * dim, 0, (tokens - real) * heads * dim * sizeof(float));  // padding -> 0
+  RunAll(pool, p, items);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveRaggedPagedAttention, RaggedPagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
