@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from jserve import SamplingParams
-from jserve.attention import CPU, REFERENCE, AttentionBackend, cpu_kernel, resolve_attention_backend
+from jserve import cpu_kernels
+from jserve.attention import CPU, REFERENCE, AttentionBackend, resolve_attention_backend
 from jserve.loader import load_model
 
 from test_engine import GREEDY, prompts, tiny_llm, token_ids
@@ -41,7 +42,7 @@ def test_unknown_backend_is_rejected():
 
 
 def test_auto_falls_back_to_the_reference_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert resolve_attention_backend("auto", "cpu") == REFERENCE
 
 

@@ -7,7 +7,7 @@ Query tokens past query_start_loc[-1] are padding and come back as zeros.
 
 Backends:
   reference   plain JAX (`jserve.attention.reference`); the fallback everywhere.
-  cpu         the C++ kernel of `jserve.attention.cpu_kernel` (XLA FFI, built on first use; float32 pages
+  cpu         the C++ kernel of `jserve.cpu_kernels` (XLA FFI, built on first use; float32 pages
               of the usual head dims, others take the reference).
   pallas      the kernels of `pallas_kernels`: the Triton-lowered kernel on GPUs, the Mosaic kernel on
               TPUs; on CPU the GPU kernel in Pallas interpret mode (slow: for tests).
@@ -24,7 +24,7 @@ from functools import partial
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from jserve.attention import cpu_kernel
+from jserve import cpu_kernels
 from jserve.attention.kv_cache import KVPages
 from jserve.attention.metadata import AttentionMetadata
 from jserve.attention.reference import paged_attention, write_kv
@@ -69,12 +69,12 @@ class AttentionBackend:
 def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
     pages = write_kv(pages, k, v, meta.slot_mapping)
     kernel = backend.kernel
-    if kernel == "cpu" and not cpu_kernel.supports(pages.k.dtype, pages.k.shape[-1]):
+    if kernel == "cpu" and not cpu_kernels.supports(pages.k.dtype, pages.k.shape[-1]):
         kernel = "reference"
     if kernel == "reference":
         return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
     if kernel == "cpu":
-        attend = cpu_kernel.ragged_paged_attention
+        attend = cpu_kernels.ragged_paged_attention
     else:
         if kernel == "pallas-gpu":
             from pallas_kernels.gpu import ragged_paged_attention
@@ -106,7 +106,7 @@ def _backend_for(name: str, platform: str | None) -> AttentionBackend:
         raise ValueError(f"attention_backend 'cpu' runs on the CPU only, not on {platform}")
     if name == "cpu" or (name == "auto" and platform == "cpu"):
         # auto falls back to the reference where no compiler can build the kernel; an explicit cpu raises
-        return CPU if name == "cpu" or cpu_kernel.available() else REFERENCE
+        return CPU if name == "cpu" or cpu_kernels.available() else REFERENCE
     if name == "reference":
         return REFERENCE
     if platform == "tpu":

@@ -1,8 +1,9 @@
-"""The native CPU paged-attention kernel: C++ behind XLA's FFI, built on first use with the system compiler.
+"""jserve's CPU kernels: C++ behind XLA's FFI, built on first use with the system compiler.
 
-The source (paged_attention.cc) is compiled once per machine, source, compiler and jaxlib, with
--march=native, into $JSERVE_CACHE/kernels/, and registered as an XLA custom call. Without a C++ compiler
-`available()` is False and the CPU runs the plain-JAX reference instead.
+paged_attention.cc is the ragged paged attention (the `cpu` attention backend); int8_matmul.cc the int8
+matmul for a few rows (a lone decode with --quantization int8). The sources are compiled together, once
+per machine, source, compiler and jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and registered
+as XLA custom calls. Without a C++ compiler `available()` is False and XLA's own ops run instead.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ from jserve.paths import cache_dir
 
 log = logging.getLogger("jserve")
 
-SOURCE = Path(__file__).with_name("paged_attention.cc")
-TARGET = "jserve_ragged_paged_attention"
+SOURCES = sorted(Path(__file__).parent.glob("*.cc"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+TARGETS = {"jserve_ragged_paged_attention": "JserveRaggedPagedAttention", "jserve_int8_matmul": "JserveInt8Matmul"}
+INT8_MATMUL_MAX_ROWS = 8  # kMaxRows in int8_matmul.cc
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (AttendItem)
 
 
 class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built here (no C++ compiler, or it failed)."""
+    """The kernels cannot be built here (no C++ compiler, or it failed)."""
 
 
 def _compiler() -> str | None:
@@ -49,14 +52,14 @@ def _cpu_model() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(), jax.__version__.encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(), jax.__version__.encode(),
                  platform.machine().encode(), _cpu_model().encode()):  # fmt: skip
         key.update(part)
-    return cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
-    """The kernel's shared library, compiled unless this machine's cache already holds it."""
+    """The kernels' shared library, compiled unless this machine's cache already holds it."""
     compiler = _compiler()
     if compiler is None:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
@@ -64,23 +67,25 @@ def build() -> Path:
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
-    log.info("Building the CPU attention kernel with %s", compiler)
+    log.info("Building jserve's CPU kernels with %s", compiler)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         built = Path(tmp) / library.name
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             errors = [line for line in result.stderr.splitlines() if "error" in line]
-            raise KernelUnavailable("building the CPU attention kernel failed:\n" + "\n".join(errors[:10]))
+            raise KernelUnavailable("building jserve's CPU kernels failed:\n" + "\n".join(errors[:10]))
         os.replace(built, library)  # atomic: concurrent builders each publish a whole library
     return library
 
 
 @functools.cache
 def load() -> None:
-    """Build the kernel if needed and register it with XLA, once per process; KernelUnavailable if it cannot be."""
-    handler = ctypes.cdll.LoadLibrary(str(build())).JserveRaggedPagedAttention
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    """Build the kernels if needed and register them with XLA, once per process; KernelUnavailable if they
+    cannot be."""
+    library = ctypes.cdll.LoadLibrary(str(build()))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
 
 
 @functools.cache
@@ -88,7 +93,7 @@ def available() -> bool:
     try:
         load()
     except KernelUnavailable as error:
-        log.warning("%s; the CPU uses the plain-JAX attention instead", error)
+        log.warning("%s; the CPU runs XLA's own attention and matmuls instead", error)
         return False
     return True
 
@@ -113,7 +118,7 @@ def ragged_paged_attention(
     """The attention contract's attend half (the pages already hold this step's K/V), for pages that
     `supports` takes."""
     load()
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call("jserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
         k_pages,
@@ -125,3 +130,11 @@ def ragged_paged_attention(
         sliding_window=np.int64(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),
     ).astype(q.dtype)
+
+
+def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [rows, in] int8 times w [out, in] int8 -> [rows, out] int32, exactly XLA's int8 dot; rows at most
+    INT8_MATMUL_MAX_ROWS."""
+    load()
+    call = jax.ffi.ffi_call("jserve_int8_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32))
+    return call(x, w)

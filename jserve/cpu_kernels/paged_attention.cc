@@ -7,15 +7,12 @@
 // over XLA's intra-op thread pool. Measured against the reference: docs/benchmarks.md.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -79,8 +76,8 @@ inline Vec Exp(Vec x) {
   poly = poly * f + 2.402264791363012e-1f;
   poly = poly * f + 6.931472028550421e-1f;
   poly = poly * f + 1.0f;
-  const IVec bits = reinterpret_cast<IVec&>(poly) + (whole << 23);
-  return t < -126.0f ? Vec{} : reinterpret_cast<const Vec&>(bits);
+  const IVec bits = (IVec)poly + (whole << 23);  // vector casts reinterpret the bits
+  return t < -126.0f ? Vec{} : (Vec)bits;
 }
 
 // One item: rows m = (token i, query head h), m = i * heads + h, each a head_dim vector of kChunks * kLanes.
@@ -201,35 +198,6 @@ void AttendItem(const Problem& p, const WorkItem& w) {
   }
 }
 
-// Claims items from a shared counter on the calling thread and on pool threads; returns when all are done.
-// A pool task that starts late finds nothing to claim and touches nothing but the shared counters, so the
-// caller never waits for a task that has not started (no deadlock when the pool's threads are busy).
-struct Progress {
-  std::atomic<int64_t> next{0}, done{0};
-  std::mutex mu;
-  std::condition_variable finished;
-};
-
-void RunAll(ffi::ThreadPool& pool, const Problem& p, const std::vector<WorkItem>& items) {
-  const int64_t total = items.size();
-  if (total == 0) return;
-  auto progress = std::make_shared<Progress>();
-  auto work = [progress, total, &p, &items] {
-    for (int64_t i; (i = progress->next.fetch_add(1)) < total;) {
-      AttendItem(p, items[i]);
-      if (progress->done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(progress->mu);
-        progress->finished.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(progress->mu);
-  progress->finished.wait(lock, [&] { return progress->done.load() == total; });
-}
-
 ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                                 ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> context_lens,
                                 ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> query_start_loc,
@@ -258,7 +226,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.count > b.count; });
   const int64_t real = std::clamp<int64_t>(p.query_start_loc[seqs], 0, tokens);
   std::memset(p.out + real * heads * dim, 0, (tokens - real) * heads * dim * sizeof(float));  // padding -> 0
-  RunAll(pool, p, items);
+  jserve::ParallelFor(pool, items.size(), [&](int64_t i) { AttendItem(p, items[i]); });
   return ffi::Error::Success();
 }
 
