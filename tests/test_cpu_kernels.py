@@ -1,13 +1,10 @@
-"""jserve's C++ CPU kernels (XLA FFI): paged attention against the reference on ragged batches, the int8
-matmul bit for bit against XLA's int8 dot, and the library built once."""
+"""jserve's C++ CPU kernels (XLA FFI): paged attention against the reference on ragged batches, and the
+library built once."""
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jserve import cpu_kernels
-from jserve.models import quantization
 
 from attention_cases import BATCHES, assert_matches_reference, make_case
 
@@ -39,34 +36,6 @@ def test_all_padding_batch_is_zeros():
     case = make_case([(0, 0)])
     out = cpu_kernels.ragged_paged_attention(*case.kernel_args(), scale=case.scale)
     assert not out.any()
-
-
-@pytest.mark.parametrize(
-    "rows,outputs,depth",
-    [(1, 7, 5), (2, 1536, 576), (4, 576, 1536), (3, 100, 70), (8, 640, 96), (4, 1000, 33)],
-    ids=["tiny", "gate", "down", "ragged", "max-rows", "odd-depth"],
-)
-def test_int8_matmul_equals_xla_int8_dot(rows, outputs, depth):
-    """Integer sums are exact: the kernel must give XLA's int32 results bit for bit, extremes included."""
-    rng = np.random.default_rng(rows * outputs + depth)
-    x = rng.integers(-128, 128, (rows, depth)).astype(np.int8)
-    w = rng.integers(-128, 128, (outputs, depth)).astype(np.int8)
-    x[0, :] = -128  # the largest products
-    w[0, :] = -128
-    expected = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    np.testing.assert_array_equal(jax.jit(cpu_kernels.int8_matmul)(x, w), expected)
-
-
-def test_int8_linear_takes_the_kernel_for_few_rows_only():
-    """A lone decode's matmuls (2 tokens = 4 digit rows) take the kernel; larger steps keep XLA's dot, and
-    the two give the same output for the same row."""
-    rng = np.random.default_rng(0)
-    q, scale = quantization.quantize_rows(jnp.asarray(rng.normal(size=(96, 64)), jnp.float32))
-    x = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
-    lone = jax.jit(lambda x: quantization.int8_matmul(x, q, scale))
-    assert "jserve_int8_matmul" in lone.lower(x[:2]).as_text()
-    assert "jserve_int8_matmul" not in lone.lower(x).as_text()
-    np.testing.assert_array_equal(lone(x[:2]), lone(x)[:2])
 
 
 def test_library_is_built_once_per_source(tmp_path, monkeypatch):

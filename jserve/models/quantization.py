@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from jserve import cpu_kernels
-
 QUANTIZATIONS = ("none", "int8")
 
 
@@ -54,22 +52,8 @@ def int8_matmul(x: jax.Array | Int8Activations, q: jax.Array, scale: jax.Array) 
     """x [..., in] times the int8 weight q [out, in] (per-row `scale`) -> [..., out] in x's dtype."""
     if not isinstance(x, Int8Activations):
         x = quantize_activations(x)
-    if _few_rows_on_one_cpu(x.digits.shape[0]):
-        acc = cpu_kernels.int8_matmul(x.digits, q)  # the same int32 sums, without XLA's slow few-row path
-    else:
-        acc = jax.lax.dot_general(x.digits, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    acc = jax.lax.dot_general(x.digits, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     acc = acc.astype(jnp.float32) * x.scales[:, None]
     n = acc.shape[0] // 2
     y = (acc[:n] + acc[n:]) * scale
     return y.reshape(*x.lead, q.shape[0]).astype(x.dtype)
-
-
-def _few_rows_on_one_cpu(rows: int) -> bool:
-    """Whether a matmul of `rows` digit rows takes the C++ kernel: weight-bound sizes, on a lone CPU device
-    (with several devices a weight may be sharded, and XLA cannot partition a custom call)."""
-    return (
-        rows <= cpu_kernels.INT8_MATMUL_MAX_ROWS
-        and jax.default_backend() == "cpu"
-        and jax.device_count() == 1
-        and cpu_kernels.available()
-    )
