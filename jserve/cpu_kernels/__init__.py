@@ -42,7 +42,8 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _cpu_model() -> str:
+def _cpu_flags() -> str:
+    """The CPU's feature flags: a library built with -march=native runs only where they hold."""
     try:
         return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -51,9 +52,10 @@ def _cpu_model() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), compiler.encode(), " ".join(FLAGS).encode(), jax.__version__.encode(),
-                 platform.machine().encode(), _cpu_model().encode()):  # fmt: skip
-        key.update(part)
+    for source in SOURCES + HEADERS:
+        key.update(source.read_bytes())
+    for part in (compiler, " ".join(FLAGS), jax.__version__, platform.machine(), _cpu_flags()):
+        key.update(part.encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
