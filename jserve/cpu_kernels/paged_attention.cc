@@ -187,6 +187,10 @@ void Attend(const Problem& p, const WorkItem& w) {
 }
 
 // Head dims the kernel is compiled for (SUPPORTED_HEAD_DIMS in __init__.py; others take the reference).
+bool Supported(int64_t dim) {
+  return dim % kLanes == 0 && (dim == 32 || dim == 64 || dim == 80 || dim == 96 || dim == 128 || dim == 256);
+}
+
 void AttendItem(const Problem& p, const WorkItem& w) {
   switch (p.dim / kLanes) {
     case 2: return Attend<2>(p, w);
@@ -211,6 +215,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   if (kv_dims[3] != dim || heads % kv_dims[2] != 0) {
     return ffi::Error::InvalidArgument("paged attention: head_dim or GQA group does not match the pages");
   }
+  if (!Supported(dim)) return ffi::Error::InvalidArgument("paged attention: no build for this head_dim");
   Problem p{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), context_lens.typed_data(),
             page_tables.typed_data(), query_start_loc.typed_data(), out->typed_data(), heads, kv_dims[2], dim,
             kv_dims[1], table_dims[1], scale, sliding_window, soft_cap};
