@@ -97,6 +97,17 @@ def test_streamed_completion_equals_the_whole_one(client):
     assert usage.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_stream_events_survive_clients_that_split_on_unicode_line_breaks():
+    # A model can emit U+2028, U+0085 or a form feed; httpx's aiter_lines splits on all of them.
+    from jserve.server.app import _sse
+
+    text = "a\u2028b\x85c\x0cd\u2029e\x1cf\r\ng"
+    event = _sse({"choices": [{"text": text}]})
+    line, blank = event.splitlines()
+    assert blank == "" and event.endswith("\n\n")
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+
+
 def test_chat_stream_starts_with_the_role_and_matches_the_whole_reply(client):
     messages = [
         {"role": "system", "content": "be brief"},

@@ -219,7 +219,9 @@ def _with_usage(chunk: dict, gen: GenerationRequest) -> dict:
 
 
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    # ASCII escapes keep U+2028, U+0085 and friends out of the stream: clients that split lines
+    # with str.splitlines (httpx's aiter_lines) would otherwise cut an event in two.
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 async def _disconnected(request: Request) -> None:
