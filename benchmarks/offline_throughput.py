@@ -28,6 +28,7 @@ from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.args import DTYPES
 from jserve.loader.default_model import default_model_path
 from jserve.loader.random_weights import MODEL_SHAPES
+from jserve.models import quantization
 from jserve.models.quantization import QUANTIZATIONS
 
 
@@ -189,20 +190,28 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="also run with async scheduling off")
     parser.add_argument("--compare-attention", choices=ATTENTION_BACKENDS, default=None, metavar="BACKEND",
                         help="also run an engine on this attention backend (continuous), alternating")  # fmt: skip
+    parser.add_argument("--compare-xla-int8-dot", action="store_true",
+                        help="with --quantization int8: also run an engine whose lone decodes use XLA's int8 dot "
+                             "instead of the C++ few-row kernel, alternating")  # fmt: skip
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each jserve mode, alternated; medians")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    if args.compare_xla_int8_dot and args.quantization != "int8":
+        parser.error("--compare-xla-int8-dot compares int8 matmuls: add --quantization int8")
     if args.random_weights and args.baseline:
         parser.error("--baseline needs a real checkpoint, not --random-weights")
     model = f"random:{args.random_weights}" if args.random_weights else args.model
-    def engine(attention_backend: str) -> LLM:
+    def engine(attention_backend: str, int8_kernel_rows: int = quantization.CPU_KERNEL_MAX_ROWS) -> LLM:
         start = time.perf_counter()
+        default_rows, quantization.CPU_KERNEL_MAX_ROWS = quantization.CPU_KERNEL_MAX_ROWS, int8_kernel_rows
+        jax.clear_caches()  # the step is traced afresh, with this engine's matmul choice
         llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
                   attention_backend=attention_backend, quantization=args.quantization)  # fmt: skip
+        quantization.CPU_KERNEL_MAX_ROWS = default_rows
         print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
               f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s")  # fmt: skip
         llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
@@ -215,6 +224,9 @@ def main() -> None:
         other = engine(args.compare_attention)
         label = lambda e: f" [{e.engine.runner.attention.kernel}]"  # noqa: E731
         modes = [(e, {**mode, "label": label(e)}) for e, mode in modes] + [(other, {"label": label(other)})]
+    if args.compare_xla_int8_dot:
+        other = engine(args.attention_backend, int8_kernel_rows=0)
+        modes.append((other, {"label": " [xla int8 dot]"}))
     results = []
     for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike
         results += [run_jserve(e, work, **mode) for e, mode in modes]

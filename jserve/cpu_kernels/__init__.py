@@ -1,9 +1,10 @@
 """jserve's CPU kernels: C++ behind XLA's FFI, built on first use with the system compiler.
 
-paged_attention.cc is the ragged paged attention of the `cpu` attention backend. The sources are compiled
-together, once per machine, source, compiler and jaxlib, with -march=native, into $JSERVE_CACHE/kernels/,
-and registered as XLA custom calls. Without a C++ compiler `available()` is False and the CPU runs the
-plain-JAX attention instead.
+paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_matmul.cc the int8
+matmul of decode-sized steps (--quantization int8). The sources are compiled together,
+once per machine, source, compiler and jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and
+registered as XLA custom calls. Without a C++ compiler `available()` is False and the CPU runs the
+plain-JAX attention and XLA's int8 dot instead.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ log = logging.getLogger("jserve")
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cc"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
-TARGETS = {"jserve_ragged_paged_attention": "JserveRaggedPagedAttention"}  # XLA name: exported symbol
+TARGETS = {  # XLA name: exported symbol
+    "jserve_ragged_paged_attention": "JserveRaggedPagedAttention",
+    "jserve_int8_matmul": "JserveInt8Matmul",
+}
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (AttendItem)
 
@@ -94,7 +98,7 @@ def available() -> bool:
     try:
         load()
     except KernelUnavailable as error:
-        log.warning("%s; the CPU runs the plain-JAX attention instead", error)
+        log.warning("%s; the CPU runs the plain-JAX attention and XLA's int8 dot instead", error)
         return False
     return True
 
@@ -132,3 +136,10 @@ def ragged_paged_attention(
         soft_cap=np.float32(soft_cap or 0.0),
     ).astype(q.dtype)
 
+
+
+def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [rows, in] int8 times w [out, in] int8 -> [rows, out] int32, bit for bit XLA's int8 dot."""
+    load()
+    call = jax.ffi.ffi_call("jserve_int8_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32))
+    return call(x, w)

@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jserve import cpu_kernels
+
 QUANTIZATIONS = ("none", "int8")
+# Matmuls of at most this many digit rows (steps of up to 64 tokens: decode batches) take the C++ kernel
+# on a CPU, where XLA's int8 dot runs each on one thread (docs/benchmarks.md); prefill-sized steps keep
+# XLA's. 0 turns the kernel off.
+CPU_KERNEL_MAX_ROWS = 128
 
 
 def quantize_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -52,8 +58,21 @@ def int8_matmul(x: jax.Array | Int8Activations, q: jax.Array, scale: jax.Array) 
     """x [..., in] times the int8 weight q [out, in] (per-row `scale`) -> [..., out] in x's dtype."""
     if not isinstance(x, Int8Activations):
         x = quantize_activations(x)
-    acc = jax.lax.dot_general(x.digits, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    if _takes_cpu_kernel(x.digits.shape[0]):
+        acc = cpu_kernels.int8_matmul(x.digits, q)  # the same int32 sums as XLA's dot, so either may run
+    else:
+        acc = jax.lax.dot_general(x.digits, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     acc = acc.astype(jnp.float32) * x.scales[:, None]
     n = acc.shape[0] // 2
     y = (acc[:n] + acc[n:]) * scale
     return y.reshape(*x.lead, q.shape[0]).astype(x.dtype)
+
+
+def _takes_cpu_kernel(rows: int) -> bool:
+    """On a lone CPU device only: with several, the weight may be sharded, and XLA cannot split a custom call."""
+    return (
+        rows <= CPU_KERNEL_MAX_ROWS
+        and jax.default_backend() == "cpu"
+        and jax.device_count() == 1
+        and cpu_kernels.available()
+    )
