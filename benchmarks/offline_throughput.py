@@ -191,8 +191,8 @@ def main() -> None:
     parser.add_argument("--compare-attention", choices=ATTENTION_BACKENDS, default=None, metavar="BACKEND",
                         help="also run an engine on this attention backend (continuous), alternating")  # fmt: skip
     parser.add_argument("--compare-xla-int8-dot", action="store_true",
-                        help="with --quantization int8: also run an engine whose lone decodes use XLA's int8 dot "
-                             "instead of the C++ few-row kernel, alternating")  # fmt: skip
+                        help="with --quantization int8: also run an engine whose projections use XLA's "
+                             "quantize-and-int8-dot ops instead of the C++ kernel, alternating")  # fmt: skip
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each jserve mode, alternated; medians")
@@ -204,14 +204,14 @@ def main() -> None:
     if args.random_weights and args.baseline:
         parser.error("--baseline needs a real checkpoint, not --random-weights")
     model = f"random:{args.random_weights}" if args.random_weights else args.model
-    def engine(attention_backend: str, int8_kernel_rows: int = quantization.CPU_KERNEL_MAX_ROWS) -> LLM:
+    def engine(attention_backend: str, int8_kernel: bool = True) -> LLM:
         start = time.perf_counter()
-        default_rows, quantization.CPU_KERNEL_MAX_ROWS = quantization.CPU_KERNEL_MAX_ROWS, int8_kernel_rows
+        quantization.CPU_KERNEL = int8_kernel
         jax.clear_caches()  # the step is traced afresh, with this engine's matmul choice
         llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
                   attention_backend=attention_backend, quantization=args.quantization)  # fmt: skip
-        quantization.CPU_KERNEL_MAX_ROWS = default_rows
+        quantization.CPU_KERNEL = True
         print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
               f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s")  # fmt: skip
         llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
@@ -225,7 +225,7 @@ def main() -> None:
         label = lambda e: f" [{e.engine.runner.attention.kernel}]"  # noqa: E731
         modes = [(e, {**mode, "label": label(e)}) for e, mode in modes] + [(other, {"label": label(other)})]
     if args.compare_xla_int8_dot:
-        other = engine(args.attention_backend, int8_kernel_rows=0)
+        other = engine(args.attention_backend, int8_kernel=False)
         modes.append((other, {"label": " [xla int8 dot]"}))
     results = []
     for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike

@@ -17,6 +17,7 @@ DECODE = [(1, 0), (1, 9), (0, 0), (1, 70), (1, 31), (1, 140)]
 PREFILL = [(7, 0), (37, 20), (2, 0), (0, 0), (20, 69), (16, 32)]
 MIXED = [(1, 9), (7, 0), (5, 8), (0, 0), (1, 70), (37, 20), (2, 0)]
 BATCHES = {"decode": DECODE, "prefill": PREFILL, "mixed": MIXED}
+LONE_DECODE = [(1, 40)]  # a lone decode's step: one token, one sequence, no padding (make_case(..., pad=False))
 PAD_TOKENS = 5  # trailing padding query tokens, which must come back as zeros
 PAD_SEQS = 2  # trailing empty sequence slots
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -57,6 +58,7 @@ def make_case(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     seed: int = 0,
+    pad: bool = True,
 ) -> AttentionCase:
     """Pages filled with random K/V (as if the sequences' histories and this step's tokens were written)."""
     rng = np.random.default_rng(seed)
@@ -67,8 +69,8 @@ def make_case(
         SequenceChunk(np.zeros(new, np.int32), cached, np.array([free.pop() for _ in range(n)], np.int32))
         for (new, cached), n in zip(sequences, used, strict=True)
     ]
-    num_tokens = sum(new for new, _ in sequences) + PAD_TOKENS
-    batch = build_model_input(chunks, page_size, num_tokens, len(sequences) + PAD_SEQS, max(used, default=0) + 2)
+    num_tokens = sum(new for new, _ in sequences) + PAD_TOKENS * pad
+    batch = build_model_input(chunks, page_size, num_tokens, len(sequences) + PAD_SEQS * pad, max(used, default=0) + 2)
 
     def normal(*shape):
         return jnp.asarray(rng.normal(size=shape), dtype)

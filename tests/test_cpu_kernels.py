@@ -1,5 +1,5 @@
 """jserve's C++ CPU kernels (XLA FFI): paged attention against the reference on ragged batches, the int8
-matmul bit for bit against XLA's int8 dot, and the library built once."""
+projection against XLA's ops, and the library built once."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import pytest
 from jserve import cpu_kernels
 from jserve.models import quantization
 
-from attention_cases import BATCHES, assert_matches_reference, make_case
+from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
 
 # Each line covers some of: batch kind, page size, head_dim, GQA ratio (heads / kv heads), extras.
 CASES = {
@@ -35,34 +35,73 @@ def test_kernel_matches_reference(name):
     assert_matches_reference(out, case, "float32")
 
 
+def test_lone_decode_step():
+    case = make_case(LONE_DECODE, pad=False)
+    out = cpu_kernels.ragged_paged_attention(*case.kernel_args(), scale=case.scale)
+    assert_matches_reference(out, case, "float32")
+
+
 def test_all_padding_batch_is_zeros():
     case = make_case([(0, 0)])
     out = cpu_kernels.ragged_paged_attention(*case.kernel_args(), scale=case.scale)
     assert not out.any()
 
 
-# rows x outputs x depth: SmolLM2's projections, depths that are not whole 64-byte vectors, more rows than
-# one pass over the weight takes (8), and work large enough to be split over threads (> 4M multiply-adds).
-@pytest.mark.parametrize("rows, outputs, depth", [(4, 192, 576), (2, 1536, 576), (8, 576, 1536), (1, 7, 3),
-                                                  (3, 33, 100), (13, 70, 130), (4, 4100, 576),
-                                                  (128, 576, 1536), (37, 300, 100)])  # fmt: skip
-def test_int8_matmul_equals_xla_int8_dot(rows, outputs, depth):
-    rng = np.random.default_rng(rows * outputs + depth)
-    x = rng.integers(-128, 128, (rows, depth)).astype(np.int8)  # -128 too: the kernel shifts x by 128
-    w = rng.integers(-128, 128, (outputs, depth)).astype(np.int8)
-    expected = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    np.testing.assert_array_equal(jax.jit(cpu_kernels.int8_matmul)(x, w), expected)
+needs_int8_kernel = pytest.mark.skipif(not cpu_kernels.int8_linear_available(),
+                                       reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler")  # fmt: skip
 
 
-def test_int8_linear_takes_the_kernel_for_decode_sized_steps_only():
-    q, scale = quantization.quantize_rows(jnp.asarray(np.random.default_rng(0).normal(size=(64, 32))))
-    matmul = jax.jit(lambda x: quantization.int8_matmul(x, q, scale))
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(128, 32)), jnp.float32)
-    largest = quantization.CPU_KERNEL_MAX_ROWS // 2  # tokens: two digit rows each
-    decode, prefill = x[:largest], x[: largest + 1]
-    assert "jserve_int8_matmul" in matmul.lower(decode).as_text()
-    assert "jserve_int8_matmul" not in matmul.lower(prefill).as_text()
-    np.testing.assert_array_equal(matmul(decode), matmul(prefill)[:largest])
+def xla_int8_matmul(x, q, scale, monkeypatch):
+    monkeypatch.setattr(quantization, "CPU_KERNEL", False)
+    try:
+        return np.asarray(jax.jit(quantization.int8_matmul)(x, q, scale))
+    finally:
+        monkeypatch.setattr(quantization, "CPU_KERNEL", True)
+
+
+def int8_case(tokens, outputs, depth, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, depth)).astype(np.float32) * rng.uniform(0.01, 100, (tokens, 1)).astype(np.float32)
+    x[1::3] = 0  # padding rows
+    q, scale = quantization.quantize_rows(rng.standard_normal((outputs, depth)).astype(np.float32))
+    return x, q, scale
+
+
+# tokens x outputs x depth: SmolLM2's projections and head; depths and outputs that are not whole vectors or
+# 16-row blocks; token counts across the 4-token passes and 64-token tiles; work split over threads.
+@needs_int8_kernel
+@pytest.mark.parametrize("tokens, outputs, depth", [(1, 576, 576), (1, 49152, 576), (3, 576, 1536), (1, 7, 3),
+                                                    (5, 33, 100), (13, 70, 130), (64, 1536, 576),
+                                                    (130, 50, 200), (200, 576, 576)])  # fmt: skip
+def test_int8_linear_matches_xla_ops(tokens, outputs, depth, monkeypatch):
+    """The same quantization and integer sums as XLA's ops; the floats differ only where XLA fuses a
+    product and a sum into an FMA and the kernel does not, or the other way round (~1e-6 of the row)."""
+    x, q, scale = int8_case(tokens, outputs, depth)
+    got = np.asarray(jax.jit(cpu_kernels.int8_linear)(x, q, scale))
+    expected = xla_int8_matmul(x, q, scale, monkeypatch)
+    assert got.dtype == np.float32 and not got[1::3].any()
+    assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
+
+
+@needs_int8_kernel
+def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
+    """A token's output is bit for bit the same alone or among others, at any place in passes and tiles."""
+    x, q, scale = int8_case(150, 300, 576, seed=1)
+    linear = jax.jit(cpu_kernels.int8_linear)
+    together = np.asarray(linear(x, q, scale))
+    for row in (0, 3, 63, 64, 149):
+        np.testing.assert_array_equal(np.asarray(linear(x[row : row + 1], q, scale))[0], together[row])
+    np.testing.assert_array_equal(np.asarray(linear(x[61:67], q, scale)), together[61:67])
+
+
+@needs_int8_kernel
+def test_int8_projections_take_the_kernel_on_a_cpu(monkeypatch):
+    q, scale = quantization.quantize_rows(np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32))
+    x = jnp.ones((3, 5, 32), jnp.float32)
+    lowered = lambda: jax.jit(lambda x: quantization.int8_matmul(quantization.prepare_activations(x), q, scale)).lower(x)  # noqa: E731
+    assert "jserve_int8_linear" in lowered().as_text()
+    monkeypatch.setattr(quantization, "CPU_KERNEL", False)
+    assert "jserve_int8_linear" not in lowered().as_text()
 
 
 def test_library_is_built_once_per_source(tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """The engine end to end on tiny checkpoints: exactness, batch/chunk/preemption invariance, stops, API."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -118,6 +120,15 @@ def test_no_compilation_after_warm_up(llm):
     before = compile_count()
     llm.generate(prompts(12, seed=9, high=150), SamplingParams(temperature=0.5, top_k=5, max_tokens=30), use_tqdm=False)
     assert compile_count() == before
+
+
+def test_every_bucket_writes_the_kv_cache_in_place(llm):
+    """No compiled step copies a layer's pages: a lone decode's once copied the whole cache to write one row."""
+    num_pages, page_size, *row = llm.engine.runner.kv_cache[0].k.shape
+    layouts = {(num_pages, page_size, *row), (num_pages * page_size, *row)}  # as pages, and as slots
+    for bucket, executable in llm.engine.runner.executables.items():
+        copies = re.findall(r"= \w+\[([\d,]+)\][^ ]* copy\(", executable.as_text())
+        assert not layouts & {tuple(map(int, dims.split(","))) for dims in copies}, f"bucket {bucket} copies pages"
 
 
 # --- stops -------------------------------------------------------------------------------------------

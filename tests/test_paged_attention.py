@@ -33,19 +33,24 @@ def dense_attention(q, k, v, q_positions, scale, window, soft_cap):
 # mid-page, an empty sequence slot, a long decode spanning several page blocks, a chunk of several query
 # blocks continuing mid-page, and a two-token chunk.
 SEQUENCES = [(1, 9), (7, 0), (5, 8), (0, 0), (1, 70), (37, 20), (2, 0)]
+# (sequences, trailing padding tokens, empty trailing sequence slots): a mixed batch, and the one-token
+# step of a lone decode (no padding at all).
+BATCHES = {"mixed": (SEQUENCES, 3, 1), "lone-decode": ([(1, 70)], 0, 0)}
 
 
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (6, None), (None, 5.0)])
-def test_paged_attention_matches_dense(page_size, heads, kv_heads, window, soft_cap):
+def test_paged_attention_matches_dense(batch, page_size, heads, kv_heads, window, soft_cap):
+    sequences, pad_tokens, pad_seqs = BATCHES[batch]
     rng = np.random.default_rng(0)
     dim, num_pages = 16, 96
     scale = dim**-0.5
     pages = KVPages(*(jnp.asarray(rng.normal(size=(num_pages, page_size, kv_heads, dim)), jnp.float32) for _ in "kv"))
     free = list(rng.permutation(num_pages))
     chunks, histories, queries = [], [], []
-    for new, cached in SEQUENCES:
+    for new, cached in sequences:
         total = new + cached
         seq_pages = np.array([free.pop() for _ in range(-(-total // page_size))], np.int32)
         k_hist, v_hist = rng.normal(size=(2, total, kv_heads, dim)).astype(np.float32)
@@ -58,15 +63,15 @@ def test_paged_attention_matches_dense(page_size, heads, kv_heads, window, soft_
         chunks.append(SequenceChunk(np.zeros(new, np.int32), cached, seq_pages))
         histories.append((k_hist, v_hist))
         queries.append(rng.normal(size=(new, heads, dim)).astype(np.float32))
-    num_tokens = sum(n for n, _ in SEQUENCES) + 3  # trailing padding tokens
-    batch = build_model_input(chunks, page_size, num_tokens, len(SEQUENCES) + 1, max_pages=32)
-    meta = jax.tree.map(jnp.asarray, batch.attention)
+    num_tokens = sum(n for n, _ in sequences) + pad_tokens
+    meta = jax.tree.map(jnp.asarray, build_model_input(chunks, page_size, num_tokens, len(sequences) + pad_seqs,
+                                                       max_pages=32).attention)  # fmt: skip
     q = np.zeros((num_tokens, heads, dim), np.float32)
     q[: sum(len(x) for x in queries)] = np.concatenate(queries)
     new_k = np.zeros((num_tokens, kv_heads, dim), np.float32)
     new_v = np.zeros_like(new_k)
     offset = 0
-    for (new, cached), (k_hist, v_hist) in zip(SEQUENCES, histories, strict=True):
+    for (new, cached), (k_hist, v_hist) in zip(sequences, histories, strict=True):
         new_k[offset : offset + new], new_v[offset : offset + new] = k_hist[cached:], v_hist[cached:]
         offset += new
 
@@ -76,7 +81,7 @@ def test_paged_attention_matches_dense(page_size, heads, kv_heads, window, soft_
                                      soft_cap=soft_cap, pages_per_block=2))  # fmt: skip
 
     offset = 0
-    for (new, cached), (k_hist, v_hist), qs in zip(SEQUENCES, histories, queries, strict=True):
+    for (new, cached), (k_hist, v_hist), qs in zip(sequences, histories, queries, strict=True):
         if new:
             expected = dense_attention(qs, k_hist, v_hist, np.arange(cached, cached + new), scale, window, soft_cap)
             np.testing.assert_allclose(out[offset : offset + new], expected, atol=1e-5, rtol=1e-5)

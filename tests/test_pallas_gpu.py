@@ -12,7 +12,7 @@ import pytest
 
 from pallas_kernels.gpu import ragged_paged_attention
 
-from attention_cases import BATCHES, assert_matches_reference, make_case
+from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
 
 # Each line covers some of: batch kind, page size, head_dim, GQA ratio (heads / kv heads), dtype, extras.
 CASES = {
@@ -41,6 +41,12 @@ def test_kernel_matches_reference_in_interpret_mode(name):
     out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, sliding_window=case.sliding_window,
                                  soft_cap=case.soft_cap, interpret=True, pages_per_block=2, kv_splits=3)  # fmt: skip
     assert_matches_reference(out, case, params.get("dtype", "float32"))
+
+
+def test_lone_decode_step_in_interpret_mode():
+    case = make_case(LONE_DECODE, pad=False)
+    out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True, pages_per_block=2, kv_splits=3)
+    assert_matches_reference(out, case, "float32")
 
 
 def test_default_block_sizes_match_reference():

@@ -9,7 +9,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu import ragged_paged_attention
 
-from attention_cases import BATCHES, MIXED, assert_matches_reference, make_case
+from attention_cases import BATCHES, LONE_DECODE, MIXED, assert_matches_reference, make_case
 
 QUERIES_PER_BLOCK = 8  # small blocks: chunks span several rows, contexts several KV blocks
 
@@ -55,6 +55,11 @@ def test_default_block_sizes():
     case = make_case(MIXED, heads=8, kv_heads=2, sliding_window=40)
     out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, sliding_window=40, interpret=True)
     assert_matches_reference(out, case, "float32")
+
+
+def test_lone_decode_step():
+    case = make_case(LONE_DECODE, pad=False)
+    assert_matches_reference(run_kernel(case, pages_per_block=2), case, "float32")
 
 
 def test_batch_of_padding_only_gives_zeros():

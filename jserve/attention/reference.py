@@ -28,6 +28,11 @@ def write_kv(pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
     num_pages, page_size, heads, dim = pages.k.shape
     num_slots = num_pages * page_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped
+    if slots.shape[0] == 1:
+        # XLA turns a one-index scatter into a dynamic-update-slice that first reads the row it replaces,
+        # and then copies the whole layer's pages to update them: a lone decode's step copied the entire
+        # KV cache. A second, dropped index keeps it a scatter, done in place.
+        slots, k, v = jnp.append(slots, num_slots), jnp.concatenate([k, k]), jnp.concatenate([v, v])
 
     def scatter(cache, new):
         flat = cache.reshape(num_slots, heads, dim).at[slots].set(new.astype(cache.dtype), mode="drop")
@@ -72,7 +77,8 @@ def paged_attention(
         return out.at[tokens.reshape(-1)].set(rows_out.reshape(-1, *q.shape[1:]), mode="drop")
 
     out = jnp.zeros(q.shape, jnp.float32)
-    for tokens, seqs in ((decode_tokens, decode_seqs), (prefill_tokens, prefill_seqs)):
+    groups = [(decode_tokens, decode_seqs)] + [(prefill_tokens, prefill_seqs)] * (max_rows > 0)  # 1-token steps: none
+    for tokens, seqs in groups:
         # A group with no queries this step (no decodes, or no prefill chunks) costs nothing.
         out = jax.lax.cond((tokens < num_tokens).any(), add_group, lambda out, *_: out, out, tokens, seqs)
     return out.astype(q.dtype)

@@ -1,7 +1,7 @@
 """jserve's CPU kernels: C++ behind XLA's FFI, built on first use with the system compiler.
 
-paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_matmul.cc the int8
-matmul of decode-sized steps (--quantization int8). The sources are compiled together,
+paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_linear.cc the
+projections of --quantization int8 (with AVX-512 VNNI). The sources are compiled together,
 once per machine, source, compiler and jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and
 registered as XLA custom calls. Without a C++ compiler `available()` is False and the CPU runs the
 plain-JAX attention and XLA's int8 dot instead.
@@ -32,7 +32,7 @@ SOURCES = sorted(Path(__file__).parent.glob("*.cc"))
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 TARGETS = {  # XLA name: exported symbol
     "jserve_ragged_paged_attention": "JserveRaggedPagedAttention",
-    "jserve_int8_matmul": "JserveInt8Matmul",
+    "jserve_int8_linear": "JserveInt8Linear",
 }
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (AttendItem)
@@ -85,12 +85,13 @@ def build() -> Path:
 
 
 @functools.cache
-def load() -> None:
+def load() -> ctypes.CDLL:
     """Build the kernels if needed and register them with XLA, once per process; KernelUnavailable if they
     cannot be."""
     library = ctypes.cdll.LoadLibrary(str(build()))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return library
 
 
 @functools.cache
@@ -137,9 +138,15 @@ def ragged_paged_attention(
     ).astype(q.dtype)
 
 
+@functools.cache
+def int8_linear_available() -> bool:
+    """Whether int8_linear runs here: the kernels build, and the CPU has AVX-512 VNNI."""
+    return available() and bool(load().JserveInt8LinearSupported())
 
-def int8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [rows, in] int8 times w [out, in] int8 -> [rows, out] int32, bit for bit XLA's int8 dot."""
+
+def int8_linear(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """x [tokens, in] float32 times the int8 weight w [out, in] with a float32 scale per output ->
+    [tokens, out] float32, bit for bit quantization.int8_matmul's XLA path."""
     load()
-    call = jax.ffi.ffi_call("jserve_int8_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.int32))
-    return call(x, w)
+    call = jax.ffi.ffi_call("jserve_int8_linear", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x, w, w_scale)

@@ -4,7 +4,7 @@
 // reads it again. Here each key is read once, straight from its page. A work item is a block of up to
 // kQueryBlock query tokens of one sequence, with all their heads, so every page is read whole and in order;
 // it walks its causal key range a tile of kLanes keys at a time with an online softmax. Items are spread
-// over XLA's intra-op thread pool. Measured against the reference: docs/benchmarks.md.
+// over the kernels' worker threads (parallel.h). Measured against the reference: docs/benchmarks.md.
 
 #include <algorithm>
 #include <cmath>
@@ -202,7 +202,7 @@ void AttendItem(const Problem& p, const WorkItem& w) {
   }
 }
 
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                                 ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> context_lens,
                                 ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
@@ -231,7 +231,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.count > b.count; });
   const int64_t real = std::clamp<int64_t>(p.query_start_loc[seqs], 0, tokens);
   std::memset(p.out + real * heads * dim, 0, (tokens - real) * heads * dim * sizeof(float));  // padding -> 0
-  jserve::ParallelFor(pool, items.size(), [&](int64_t i) { AttendItem(p, items[i]); });
+  jserve::ParallelFor(items.size(), [&](int64_t i) { AttendItem(p, items[i]); });
   return ffi::Error::Success();
 }
 
@@ -239,7 +239,6 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -15,9 +15,11 @@ log = logging.getLogger("jserve")
 
 GiB = 1 << 30
 MIN_TOKEN_BUCKET = 16
-# One sequence decoding (a notebook, a chat) pads to 2 tokens instead of 16: its step measured 2x faster
-# on CPU. Buckets 4 and 8 were measured too, but each bucket adds compile time to every start-up.
-SINGLE_DECODE_BUCKET = 2
+# One sequence decoding (a notebook, a chat) runs unpadded instead of padding to 16. On CPU a lone decode
+# measured 12.7 ms a step at 1 token vs 14.5 at 2 with int8 weights, 27.3 vs 41.9 ms in float32
+# (docs/benchmarks.md). Buckets 2, 4 and 8 would help a few concurrent decodes, but each bucket adds
+# compile time to every start-up.
+SINGLE_DECODE_BUCKET = 1
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
@@ -40,7 +42,7 @@ class EngineConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        """Padded step sizes: 2, then powers of two from 16 up to the token budget (which is always one)."""
+        """Padded step sizes: 1, then powers of two from 16 up to the token budget (which is always one)."""
         budget, size = self.max_num_batched_tokens, MIN_TOKEN_BUCKET
         buckets = {min(SINGLE_DECODE_BUCKET, budget), budget}
         while size < budget:

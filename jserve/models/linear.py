@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.models.quantization import Int8Activations, int8_matmul, quantize_activations
+from jserve.models.quantization import Int8Activations, int8_matmul, prepare_activations
 
 
 class Linear(nnx.Module):
@@ -16,7 +16,7 @@ class Linear(nnx.Module):
 
     def prepare(self, x: jax.Array) -> jax.Array | Int8Activations:
         """x as this projection multiplies it; projections of one input (q/k/v, gate/up) share it."""
-        return x if self.weight_scale is None else quantize_activations(x)
+        return x if self.weight_scale is None else prepare_activations(x)
 
     def __call__(self, x: jax.Array | Int8Activations) -> jax.Array:
         if self.weight_scale is None:

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from jserve import cpu_kernels
 
 QUANTIZATIONS = ("none", "int8")
-# Matmuls of at most this many digit rows (steps of up to 64 tokens: decode batches) take the C++ kernel
-# on a CPU, where XLA's int8 dot runs each on one thread (docs/benchmarks.md); prefill-sized steps keep
-# XLA's. 0 turns the kernel off.
-CPU_KERNEL_MAX_ROWS = 128
+# On a lone CPU device with AVX-512 VNNI, the C++ kernel runs every int8 projection, quantizing x itself:
+# 1.3-2.8x faster than XLA's ops from 1 to 512 tokens (docs/benchmarks.md). False runs XLA's everywhere
+# (benchmarks compare the two).
+CPU_KERNEL = True
 
 
 def quantize_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -54,25 +54,31 @@ def quantize_activations(x: jax.Array) -> Int8Activations:
     )
 
 
+def prepare_activations(x: jax.Array) -> jax.Array | Int8Activations:
+    """x as the projections of one input (q/k/v, gate/up) share it: quantized once for XLA's dot; as it is
+    for the C++ kernel, which quantizes inside."""
+    return x if _takes_cpu_kernel() else quantize_activations(x)
+
+
 def int8_matmul(x: jax.Array | Int8Activations, q: jax.Array, scale: jax.Array) -> jax.Array:
     """x [..., in] times the int8 weight q [out, in] (per-row `scale`) -> [..., out] in x's dtype."""
     if not isinstance(x, Int8Activations):
+        if _takes_cpu_kernel():
+            y = cpu_kernels.int8_linear(x.reshape(-1, x.shape[-1]).astype(jnp.float32), q, scale)
+            return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
         x = quantize_activations(x)
-    if _takes_cpu_kernel(x.digits.shape[0]):
-        acc = cpu_kernels.int8_matmul(x.digits, q)  # the same int32 sums as XLA's dot, so either may run
-    else:
-        acc = jax.lax.dot_general(x.digits, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    acc = jax.lax.dot_general(x.digits, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     acc = acc.astype(jnp.float32) * x.scales[:, None]
     n = acc.shape[0] // 2
     y = (acc[:n] + acc[n:]) * scale
     return y.reshape(*x.lead, q.shape[0]).astype(x.dtype)
 
 
-def _takes_cpu_kernel(rows: int) -> bool:
+def _takes_cpu_kernel() -> bool:
     """On a lone CPU device only: with several, the weight may be sharded, and XLA cannot split a custom call."""
     return (
-        rows <= CPU_KERNEL_MAX_ROWS
+        CPU_KERNEL
         and jax.default_backend() == "cpu"
         and jax.device_count() == 1
-        and cpu_kernels.available()
+        and cpu_kernels.int8_linear_available()
     )

@@ -80,8 +80,10 @@ def ragged_paged_attention(
     )
 
     # Prefill rows write straight into the (zeroed) output; decode rows come back per split.
-    prefill_rows = _prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
-    out = _attend_rows(q, k_pages, v_pages, tables, prefill_rows, jnp.zeros_like(q), block_q, 1, **kernel_args)
+    out = jnp.zeros_like(q)
+    if num_tokens > 1:  # a one-token step holds no prefill chunk
+        prefill_rows = _prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
+        out = _attend_rows(q, k_pages, v_pages, tables, prefill_rows, out, block_q, 1, **kernel_args)
 
     is_decode = q_lens == 1
     decode_rows = jnp.stack([starts, is_decode.astype(jnp.int32), first_pos, jnp.arange(num_seqs)], axis=1)

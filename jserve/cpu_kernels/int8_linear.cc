@@ -1,0 +1,199 @@
+// y = x · wᵀ for float activations x [T, in] and an int8 weight w [out, in] with a float scale per output:
+// quantization.py's two-digit scheme as one call. Each row of x becomes two int8 digit rows (a coarse one
+// and the residual it missed, each with a scale), the int8 × int8 sums are exact in int32, then floats.
+// Each float step is one IEEE operation spelled with explicit rounding (so -ffast-math cannot fuse or
+// reorder it): a token's output never depends on the other tokens of the step. XLA's ops compute the
+// same except where XLA fuses a product and a sum into an FMA (about 1e-6 of a row).
+//
+// XLA:CPU runs its int8 dot on one thread at a fraction of memory speed and spends a dozen small ops on
+// quantizing x; here it is one call. With AVX-512 VNNI, vpdpbusd multiplies unsigned by signed bytes, 64
+// per instruction: the weight is made unsigned by flipping its sign bit (w + 128), and 128 · Σ digits is
+// taken off again. Weight rows are read one after another (the hardware prefetcher follows one stream;
+// reading 8 rows side by side measured 2-3x slower) into one accumulator per digit row, and each 16 rows'
+// accumulators are summed across lanes together. Work is split over the kernels' workers (parallel.h) by
+// outputs and by tiles of tokens. Without AVX-512 VNNI the library says so (JserveInt8LinearSupported)
+// and XLA's ops run instead.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define JSERVE_VNNI 1
+#else
+#define JSERVE_VNNI 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 16;        // outputs summed across lanes together
+constexpr int64_t kTokenTile = 64;    // tokens per work item: their digits stay in L2 while the weight streams
+constexpr int64_t kTokensPerPass = 4; // tokens (8 digit rows) per pass over a block of weight rows
+// Multiply-adds per work item: a lone decode's smallest projection (192 x 576) still splits in two.
+constexpr int64_t kWorkPerItem = int64_t{1} << 17;
+
+#if JSERVE_VNNI
+// One token's activations as two int8 digit rows with their scales and digit sums.
+struct Quantized {
+  float scale[2];
+  int32_t sum[2];
+};
+
+// The float steps are spelled as intrinsics with explicit rounding: -ffast-math may neither fuse them
+// into FMAs nor turn a division into a reciprocal, so each rounds as XLA's does.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+float Div(float a, float b) { return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
+
+// x[0, depth) as digits (zero padded to `stride`): d = round(x / s) with s = max|x| / 127, twice.
+Quantized QuantizeRow(const float* x, int64_t depth, int8_t* coarse, int8_t* fine, float* residual) {
+  Quantized q;
+  const float* in = x;
+  int8_t* digits[2] = {coarse, fine};
+  for (int pass = 0; pass < 2; ++pass) {
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t k = 0; k < depth; k += 16) {
+      const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+      top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, in + k)));
+    }
+    const float scale = Div(_mm512_reduce_max_ps(top), 127.0f);
+    const __m512 divisor = _mm512_set1_ps(scale == 0.0f ? 1.0f : scale), s = _mm512_set1_ps(scale);
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t k = 0; k < depth; k += 16) {
+      const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+      const __m512 v = _mm512_maskz_loadu_ps(m, in + k);
+      const __m512 d = _mm512_roundscale_ps(_mm512_div_round_ps(v, divisor, kNearest), kNearest);
+      const __m512i di = _mm512_cvtps_epi32(d);
+      sum = _mm512_add_epi32(sum, di);
+      _mm_mask_storeu_epi8(digits[pass] + k, m, _mm512_cvtepi32_epi8(di));
+      // XLA:CPU fuses this subtraction and product into one FMA; so does this.
+      if (pass == 0) _mm512_mask_storeu_ps(residual + k, m, _mm512_fnmadd_round_ps(d, s, v, kNearest));
+    }
+    q.scale[pass] = scale;
+    q.sum[pass] = _mm512_reduce_add_epi32(sum);
+    in = residual;
+  }
+  return q;
+}
+
+// 16 vectors -> one vector of their lane sums. Lane k ends up with the sum of v[(k % 4) * 4 + k / 4], so
+// callers store row j's accumulator at Slot(j) to read the sums in order.
+constexpr int Slot(int j) { return (j % 4) * 4 + j / 4; }
+
+__m512i Reduce16(const __m512i* v) {
+  __m512i a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // 256-bit halves
+    a[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x44),
+                            _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit quarters
+    b[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0x88),
+                            _mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_epi32(b[2 * i], b[2 * i + 1]));
+  }
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(c[0], c[1]), _mm512_unpackhi_epi64(c[0], c[1]));
+}
+
+// y[t, o0 + j] for j < n ≤ 16 and kTokens tokens from `token`: digits rows 2t (coarse) and 2t + 1 (fine).
+template <int kTokens>
+void Block(const int8_t* digits, int64_t stride, const Quantized* q, const int8_t* w, const float* w_scale,
+           int64_t depth, int64_t outputs, int64_t o0, int64_t n, float* y) {
+  constexpr int kRows = 2 * kTokens;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t chunks = (depth + 63) / 64;
+  const __mmask64 last = depth % 64 ? (~0ULL >> (64 - depth % 64)) : ~0ULL;
+  alignas(64) __m512i acc[kRows][kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) {
+    __m512i a[kRows];
+    for (int r = 0; r < kRows; ++r) a[r] = _mm512_setzero_si512();
+    if (j < n) {
+      const int8_t* row = w + (o0 + j) * depth;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __mmask64 m = c + 1 < chunks ? ~0ULL : last;
+        const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + 64 * c), flip);
+        for (int r = 0; r < kRows; ++r) {
+          a[r] = _mm512_dpbusd_epi32(a[r], wv, _mm512_loadu_si512(digits + r * stride + 64 * c));
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r) acc[r][Slot(j)] = a[r];
+  }
+  const __mmask16 m = n >= 16 ? 0xFFFF : (1u << n) - 1;
+  const __m512 ws = _mm512_maskz_loadu_ps(m, w_scale + o0);
+  for (int t = 0; t < kTokens; ++t) {
+    // The masked-off lanes of the padding outputs carry 128 · Σ digits; they are never stored.
+    __m512 sums[2];
+    for (int d = 0; d < 2; ++d) {
+      sums[d] = _mm512_cvtepi32_ps(_mm512_sub_epi32(Reduce16(acc[2 * t + d]), _mm512_set1_epi32(128 * q[t].sum[d])));
+    }
+    // (coarse · s1 + fine · s2) · w_scale, with the first product and the sum as one FMA, as XLA:CPU fuses it.
+    const __m512 fine = _mm512_mul_round_ps(sums[1], _mm512_set1_ps(q[t].scale[1]), kNearest);
+    const __m512 both = _mm512_fmadd_round_ps(sums[0], _mm512_set1_ps(q[t].scale[0]), fine, kNearest);
+    const __m512 out = _mm512_mul_round_ps(both, ws, kNearest);
+    _mm512_mask_storeu_ps(y + t * outputs + o0, m, out);
+  }
+}
+
+using BlockFn = void (*)(const int8_t*, int64_t, const Quantized*, const int8_t*, const float*, int64_t, int64_t,
+                         int64_t, int64_t, float*);
+constexpr BlockFn kBlocks[kTokensPerPass + 1] = {nullptr, Block<1>, Block<2>, Block<3>, Block<4>};
+#endif
+
+ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
+  if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1] || w_scale.element_count() != w_dims[0]) {
+    return ffi::Error::InvalidArgument("int8 linear: needs x [tokens, in], w [out, in] and a scale per output");
+  }
+#if JSERVE_VNNI
+  const int64_t tokens = x_dims[0], depth = x_dims[1], outputs = w_dims[0];
+  const int64_t stride = (depth + 63) / 64 * 64;  // whole 64-byte vectors can be read
+  std::vector<int8_t> digits(2 * tokens * stride, 0);
+  std::vector<Quantized> quantized(tokens);
+  const int64_t tiles = (tokens + kTokenTile - 1) / kTokenTile;
+  jserve::ParallelFor(tiles, [&](int64_t item) {
+    std::vector<float> residual(depth);
+    for (int64_t t = item * kTokenTile; t < std::min(tokens, (item + 1) * kTokenTile); ++t) {
+      int8_t* row = digits.data() + 2 * t * stride;
+      quantized[t] = QuantizeRow(x.typed_data() + t * depth, depth, row, row + stride, residual.data());
+    }
+  });
+  const int64_t tile_tokens = std::min(tokens, kTokenTile);
+  const int64_t per_item = std::max<int64_t>(kBlock, kWorkPerItem / (2 * tile_tokens * depth) / kBlock * kBlock);
+  const int64_t chunks = (outputs + per_item - 1) / per_item;
+  jserve::ParallelFor(tiles * chunks, [&](int64_t item) {
+    const int64_t t_begin = item / chunks * kTokenTile, t_end = std::min(tokens, t_begin + kTokenTile);
+    const int64_t o_begin = item % chunks * per_item, o_end = std::min(outputs, o_begin + per_item);
+    for (int64_t o0 = o_begin; o0 < o_end; o0 += kBlock) {
+      for (int64_t t = t_begin; t < t_end; t += kTokensPerPass) {
+        const int64_t n = std::min(kTokensPerPass, t_end - t);
+        kBlocks[n](digits.data() + 2 * t * stride, stride, quantized.data() + t, w.typed_data(),
+                   w_scale.typed_data(), depth, outputs, o0, std::min(kBlock, o_end - o0), y->typed_data() + t * outputs);
+      }
+    }
+  });
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "int8 linear: this build has no AVX-512 VNNI");
+#endif
+}
+
+}  // namespace
+
+extern "C" int JserveInt8LinearSupported() { return JSERVE_VNNI; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveInt8Linear, Int8Linear,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
