@@ -77,7 +77,7 @@ def test_int8_linear_matches_xla_ops(tokens, outputs, depth, monkeypatch):
     """The same quantization and integer sums as XLA's ops; the floats differ only where XLA fuses a
     product and a sum into an FMA and the kernel does not, or the other way round (~1e-6 of the row)."""
     x, q, scale = int8_case(tokens, outputs, depth)
-    got = np.asarray(jax.jit(cpu_kernels.int8_linear)(x, q, scale))
+    [got] = map(np.asarray, jax.jit(cpu_kernels.int8_linear)(x, [(q, scale)]))
     expected = xla_int8_matmul(x, q, scale, monkeypatch)
     assert got.dtype == np.float32 and not got[1::3].any()
     assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
@@ -87,7 +87,7 @@ def test_int8_linear_matches_xla_ops(tokens, outputs, depth, monkeypatch):
 def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
     """A token's output is bit for bit the same alone or among others, at any place in passes and tiles."""
     x, q, scale = int8_case(150, 300, 576, seed=1)
-    linear = jax.jit(cpu_kernels.int8_linear)
+    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, [(q, scale)])[0])
     together = np.asarray(linear(x, q, scale))
     for row in (0, 3, 63, 64, 149):
         np.testing.assert_array_equal(np.asarray(linear(x[row : row + 1], q, scale))[0], together[row])
@@ -95,10 +95,21 @@ def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
 
 
 @needs_int8_kernel
+def test_int8_linear_runs_the_projections_of_one_input_in_one_call():
+    """q/k/v or gate/up in one call: each output is bit for bit its own call's."""
+    x, *_ = int8_case(70, 1, 130, seed=2)
+    weights = [int8_case(1, outputs, 130, seed=outputs)[1:] for outputs in (300, 16, 45)]
+    together = jax.jit(cpu_kernels.int8_linear)(x, weights)
+    assert [y.shape for y in together] == [(70, 300), (70, 16), (70, 45)]
+    for pair, y in zip(weights, together, strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_kernels.int8_linear)(x, [pair])[0]))
+
+
+@needs_int8_kernel
 def test_int8_projections_take_the_kernel_on_a_cpu(monkeypatch):
     q, scale = quantization.quantize_rows(np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32))
     x = jnp.ones((3, 5, 32), jnp.float32)
-    lowered = lambda: jax.jit(lambda x: quantization.int8_matmul(quantization.prepare_activations(x), q, scale)).lower(x)  # noqa: E731
+    lowered = lambda: jax.jit(lambda x: quantization.int8_matmul(x, q, scale)).lower(x)  # noqa: E731
     assert "jserve_int8_linear" in lowered().as_text()
     monkeypatch.setattr(quantization, "CPU_KERNEL", False)
     assert "jserve_int8_linear" not in lowered().as_text()

@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -144,9 +145,9 @@ def int8_linear_available() -> bool:
     return available() and bool(load().JserveInt8LinearSupported())
 
 
-def int8_linear(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
-    """x [tokens, in] float32 times the int8 weight w [out, in] with a float32 scale per output ->
-    [tokens, out] float32, bit for bit quantization.int8_matmul's XLA path."""
+def int8_linear(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
+    """x [tokens, in] float32 times each int8 weight w [out, in] with its float32 scale per output ->
+    [tokens, out] float32 each: the projections of one input in one call, x quantized once."""
     load()
-    call = jax.ffi.ffi_call("jserve_int8_linear", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
-    return call(x, w, w_scale)
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32) for w, _ in weights]
+    return list(jax.ffi.ffi_call("jserve_int8_linear", shapes)(x, *(a for pair in weights for a in pair)))

@@ -1,5 +1,5 @@
-// y = x · wᵀ for float activations x [T, in] and an int8 weight w [out, in] with a float scale per output:
-// quantization.py's two-digit scheme as one call. Each row of x becomes two int8 digit rows (a coarse one
+// y_i = x · w_iᵀ for float activations x [T, in] and int8 weights w_i [out_i, in] with a float scale per
+// output: quantization.py's two-digit scheme as one call for all projections of one input (q/k/v, gate/up). Each row of x becomes two int8 digit rows (a coarse one
 // and the residual it missed, each with a scale), the int8 × int8 sums are exact in int32, then floats.
 // Each float step is one IEEE operation spelled with explicit rounding (so -ffast-math cannot fuse or
 // reorder it): a token's output never depends on the other tokens of the step. XLA's ops compute the
@@ -148,14 +148,34 @@ using BlockFn = void (*)(const int8_t*, int64_t, const Quantized*, const int8_t*
 constexpr BlockFn kBlocks[kTokensPerPass + 1] = {nullptr, Block<1>, Block<2>, Block<3>, Block<4>};
 #endif
 
-ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-                      ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y) {
-  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2 || x_dims[1] != w_dims[1] || w_scale.element_count() != w_dims[0]) {
-    return ffi::Error::InvalidArgument("int8 linear: needs x [tokens, in], w [out, in] and a scale per output");
+// One projection of x: its weight, scales and output.
+struct Projection {
+  const int8_t* w;
+  const float* w_scale;
+  float* y;
+  int64_t outputs;
+};
+
+// y_i = x · w_iᵀ for the projections of one input (q/k/v, gate/up): x is quantized once and the weights
+// stream one after another in a single call. Arguments x, then (w_i, w_scale_i) pairs; one result each.
+ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights, ffi::RemainingRets results) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2 || weights.size() == 0 || weights.size() != 2 * results.size()) {
+    return ffi::Error::InvalidArgument("int8 linear: needs x [tokens, in], then a weight and its scales per result");
+  }
+  const int64_t tokens = x_dims[0], depth = x_dims[1];
+  std::vector<Projection> projections;
+  for (size_t i = 0; i < results.size(); ++i) {
+    auto w = weights.get<ffi::Buffer<ffi::S8>>(2 * i);
+    auto scale = weights.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
+    auto y = results.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w || !scale || !y || w->dimensions().size() != 2 || w->dimensions()[1] != depth ||
+        scale->element_count() != w->dimensions()[0] || (*y)->element_count() != tokens * w->dimensions()[0]) {
+      return ffi::Error::InvalidArgument("int8 linear: each weight must be [out, in] int8 with out float32 scales");
+    }
+    projections.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), w->dimensions()[0]});
   }
 #if JSERVE_VNNI
-  const int64_t tokens = x_dims[0], depth = x_dims[1], outputs = w_dims[0];
   const int64_t stride = (depth + 63) / 64 * 64;  // whole 64-byte vectors can be read
   std::vector<int8_t> digits(2 * tokens * stride, 0);
   std::vector<Quantized> quantized(tokens);
@@ -167,17 +187,28 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
       quantized[t] = QuantizeRow(x.typed_data() + t * depth, depth, row, row + stride, residual.data());
     }
   });
+  // Work items: (projection, first output, tile of tokens), each about kWorkPerItem multiply-adds.
+  struct Item {
+    const Projection* p;
+    int64_t o_begin, o_end, t_begin;
+  };
   const int64_t tile_tokens = std::min(tokens, kTokenTile);
   const int64_t per_item = std::max<int64_t>(kBlock, kWorkPerItem / (2 * tile_tokens * depth) / kBlock * kBlock);
-  const int64_t chunks = (outputs + per_item - 1) / per_item;
-  jserve::ParallelFor(tiles * chunks, [&](int64_t item) {
-    const int64_t t_begin = item / chunks * kTokenTile, t_end = std::min(tokens, t_begin + kTokenTile);
-    const int64_t o_begin = item % chunks * per_item, o_end = std::min(outputs, o_begin + per_item);
-    for (int64_t o0 = o_begin; o0 < o_end; o0 += kBlock) {
-      for (int64_t t = t_begin; t < t_end; t += kTokensPerPass) {
-        const int64_t n = std::min(kTokensPerPass, t_end - t);
-        kBlocks[n](digits.data() + 2 * t * stride, stride, quantized.data() + t, w.typed_data(),
-                   w_scale.typed_data(), depth, outputs, o0, std::min(kBlock, o_end - o0), y->typed_data() + t * outputs);
+  std::vector<Item> items;
+  for (int64_t t = 0; t < tokens; t += kTokenTile) {
+    for (const Projection& p : projections) {
+      for (int64_t o = 0; o < p.outputs; o += per_item) items.push_back({&p, o, std::min(p.outputs, o + per_item), t});
+    }
+  }
+  jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& item = items[i];
+    const Projection& p = *item.p;
+    const int64_t t_end = std::min(tokens, item.t_begin + kTokenTile);
+    for (int64_t o0 = item.o_begin; o0 < item.o_end; o0 += kBlock) {
+      for (int64_t t = item.t_begin; t < t_end; t += kTokensPerPass) {
+        kBlocks[std::min(kTokensPerPass, t_end - t)](digits.data() + 2 * t * stride, stride, quantized.data() + t, p.w,
+                                                     p.w_scale, depth, p.outputs, o0, std::min(kBlock, item.o_end - o0),
+                                                     p.y + t * p.outputs);
       }
     }
   });
@@ -192,8 +223,4 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
 extern "C" int JserveInt8LinearSupported() { return JSERVE_VNNI; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveInt8Linear, Int8Linear,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets());

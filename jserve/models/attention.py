@@ -7,7 +7,7 @@ from flax import nnx
 
 from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
-from jserve.models.linear import Linear
+from jserve.models.linear import Linear, project
 from jserve.models.norm import RMSNorm
 from jserve.models.rotary import apply_rope
 
@@ -35,10 +35,10 @@ class Attention(nnx.Module):
         attention: AttentionBackend,
     ) -> tuple[jax.Array, KVPages]:
         tokens = x.shape[0]
-        x = self.q_proj.prepare(x)
-        q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.models.quantization import Int8Activations, int8_matmul, prepare_activations
+from jserve.models.quantization import int8_matmuls
 
 
 class Linear(nnx.Module):
@@ -14,13 +14,15 @@ class Linear(nnx.Module):
         self.weight_scale = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if quantized else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def prepare(self, x: jax.Array) -> jax.Array | Int8Activations:
-        """x as this projection multiplies it; projections of one input (q/k/v, gate/up) share it."""
-        return x if self.weight_scale is None else prepare_activations(x)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return project(x, self)[0]
 
-    def __call__(self, x: jax.Array | Int8Activations) -> jax.Array:
-        if self.weight_scale is None:
-            y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
-        else:
-            y = int8_matmul(x, self.weight[...], self.weight_scale[...])
-        return y if self.bias is None else y + self.bias[...]
+
+def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
+    """The projections of one input (q/k/v, gate/up). Quantized, they share x's digits: one kernel call on
+    a CPU, one quantization elsewhere."""
+    if linears[0].weight_scale is None:
+        ys = [jax.lax.dot_general(x, p.weight[...], (((x.ndim - 1,), (1,)), ((), ()))) for p in linears]
+    else:
+        ys = int8_matmuls(x, [(p.weight[...], p.weight_scale[...]) for p in linears])
+    return [y if p.bias is None else y + p.bias[...] for p, y in zip(linears, ys, strict=True)]

@@ -4,7 +4,7 @@ import jax
 from flax import nnx
 
 from jserve.config import ModelConfig
-from jserve.models.linear import Linear
+from jserve.models.linear import Linear, project
 
 
 class MLP(nnx.Module):
@@ -15,5 +15,5 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, quantized=quantized)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = self.gate_proj.prepare(x)
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(jax.nn.silu(gate) * up)

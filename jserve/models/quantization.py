@@ -11,7 +11,7 @@ activations would be twice as fast again but measured 3x the logit error on Smol
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -40,38 +40,37 @@ class Int8Activations:
 
     digits: jax.Array
     scales: jax.Array
-    lead: tuple[int, ...] = field(metadata=dict(static=True))  # x's leading shape
-    dtype: jnp.dtype = field(metadata=dict(static=True))
 
 
-def quantize_activations(x: jax.Array) -> Int8Activations:
-    """Done once per input, and shared by every projection of that input (q/k/v, gate/up)."""
-    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+def quantize_activations(rows: jax.Array) -> Int8Activations:
+    """rows [N, in] as digits; done once per input, and shared by every projection of that input."""
+    rows = rows.astype(jnp.float32)
     coarse, coarse_scale = quantize_rows(rows)
     fine, fine_scale = quantize_rows(rows - coarse * coarse_scale[:, None])
-    return Int8Activations(
-        jnp.concatenate([coarse, fine]), jnp.concatenate([coarse_scale, fine_scale]), x.shape[:-1], x.dtype
-    )
+    return Int8Activations(jnp.concatenate([coarse, fine]), jnp.concatenate([coarse_scale, fine_scale]))
 
 
-def prepare_activations(x: jax.Array) -> jax.Array | Int8Activations:
-    """x as the projections of one input (q/k/v, gate/up) share it: quantized once for XLA's dot; as it is
-    for the C++ kernel, which quantizes inside."""
-    return x if _takes_cpu_kernel() else quantize_activations(x)
+def int8_matmuls(x: jax.Array, weights: list[tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
+    """x [..., in] times each int8 weight q [out, in] (per-row scale) -> [..., out] each, in x's dtype. The
+    projections of one input (q/k/v, gate/up) share its digits: on CPU one kernel call, else one quantization."""
+    rows = x.reshape(-1, x.shape[-1])
+    if _takes_cpu_kernel():
+        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights)
+    else:
+        digits = quantize_activations(rows)
+        ys = [_xla_int8_matmul(digits, q, scale) for q, scale in weights]
+    return [y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype) for y in ys]
 
 
-def int8_matmul(x: jax.Array | Int8Activations, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [..., in] times the int8 weight q [out, in] (per-row `scale`) -> [..., out] in x's dtype."""
-    if not isinstance(x, Int8Activations):
-        if _takes_cpu_kernel():
-            y = cpu_kernels.int8_linear(x.reshape(-1, x.shape[-1]).astype(jnp.float32), q, scale)
-            return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
-        x = quantize_activations(x)
+def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    return int8_matmuls(x, [(q, scale)])[0]
+
+
+def _xla_int8_matmul(x: Int8Activations, q: jax.Array, scale: jax.Array) -> jax.Array:
     acc = jax.lax.dot_general(x.digits, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
     acc = acc.astype(jnp.float32) * x.scales[:, None]
     n = acc.shape[0] // 2
-    y = (acc[:n] + acc[n:]) * scale
-    return y.reshape(*x.lead, q.shape[0]).astype(x.dtype)
+    return (acc[:n] + acc[n:]) * scale
 
 
 def _takes_cpu_kernel() -> bool:
