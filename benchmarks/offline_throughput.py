@@ -206,12 +206,14 @@ def main() -> None:
     model = f"random:{args.random_weights}" if args.random_weights else args.model
     def engine(attention_backend: str, int8_kernel: bool = True) -> LLM:
         start = time.perf_counter()
-        quantization.CPU_KERNEL = int8_kernel
+        default, quantization.CPU_KERNEL = quantization.CPU_KERNEL, int8_kernel
         jax.clear_caches()  # the step is traced afresh, with this engine's matmul choice
-        llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                  attention_backend=attention_backend, quantization=args.quantization)  # fmt: skip
-        quantization.CPU_KERNEL = True
+        try:
+            llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                      max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                      attention_backend=attention_backend, quantization=args.quantization)  # fmt: skip
+        finally:
+            quantization.CPU_KERNEL = default
         print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
               f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s")  # fmt: skip
         llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs

@@ -52,11 +52,9 @@ needs_int8_kernel = pytest.mark.skipif(not cpu_kernels.int8_linear_available(),
 
 
 def xla_int8_matmul(x, q, scale, monkeypatch):
-    monkeypatch.setattr(quantization, "CPU_KERNEL", False)
-    try:
+    with monkeypatch.context() as patch:
+        patch.setattr(quantization, "CPU_KERNEL", False)
         return np.asarray(jax.jit(quantization.int8_matmul)(x, q, scale))
-    finally:
-        monkeypatch.setattr(quantization, "CPU_KERNEL", True)
 
 
 def int8_case(tokens, outputs, depth, seed=0):

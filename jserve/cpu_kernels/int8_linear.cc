@@ -1,9 +1,10 @@
 // y_i = x · w_iᵀ for float activations x [T, in] and int8 weights w_i [out_i, in] with a float scale per
-// output: quantization.py's two-digit scheme as one call for all projections of one input (q/k/v, gate/up). Each row of x becomes two int8 digit rows (a coarse one
-// and the residual it missed, each with a scale), the int8 × int8 sums are exact in int32, then floats.
-// Each float step is one IEEE operation spelled with explicit rounding (so -ffast-math cannot fuse or
-// reorder it): a token's output never depends on the other tokens of the step. XLA's ops compute the
-// same except where XLA fuses a product and a sum into an FMA (about 1e-6 of a row).
+// output: quantization.py's two-digit scheme as one call for all projections of one input (q/k/v,
+// gate/up). Each row of x becomes two int8 digit rows (a coarse one and the residual it missed, each with
+// a scale), the int8 × int8 sums are exact in int32, then floats. Each float step is an IEEE operation
+// spelled with explicit rounding (so -ffast-math cannot fuse or reorder it): a token's output never
+// depends on the other tokens of the step. XLA's ops compute the same except where XLA fuses a product
+// and a sum into an FMA differently (about 1e-6 of a row).
 //
 // XLA:CPU runs its int8 dot on one thread at a fraction of memory speed and spends a dozen small ops on
 // quantizing x; here it is one call. With AVX-512 VNNI, vpdpbusd multiplies unsigned by signed bytes, 64
@@ -15,7 +16,6 @@
 // and XLA's ops run instead.
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -47,7 +47,7 @@ struct Quantized {
 };
 
 // The float steps are spelled as intrinsics with explicit rounding: -ffast-math may neither fuse them
-// into FMAs nor turn a division into a reciprocal, so each rounds as XLA's does.
+// into FMAs nor turn a division into a reciprocal, so each rounds the same whatever the compiler.
 constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 float Div(float a, float b) { return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
