@@ -108,6 +108,22 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert token_ids(llm.generate([probe], reseeded, use_tqdm=False))[0] != alone
 
 
+def test_penalised_output_does_not_depend_on_plain_neighbours_or_slot_reuse(llm):
+    # Only requests with penalties record their history on device; a plain request that had their slot
+    # before, or runs beside them, must not change what the penalties see.
+    probe = prompts(1, seed=12)[0]
+    penalised = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.7, max_tokens=24,
+                               ignore_eos=True)  # fmt: skip
+    alone = token_ids(llm.generate([probe], penalised, use_tqdm=False))[0]
+    assert alone != token_ids(llm.generate([probe], GREEDY, use_tqdm=False))[0]  # the penalties matter
+    plain = prompts(7, seed=13)
+    llm.generate(plain, GREEDY, use_tqdm=False)  # plain requests take every slot, recording nothing
+    outputs = llm.generate(plain[:3] + [probe] + plain[3:], [GREEDY] * 3 + [penalised] + [GREEDY] * 4,
+                           use_tqdm=False)  # fmt: skip
+    assert outputs[3].outputs[0].token_ids == alone
+    assert token_ids(llm.generate([probe], penalised, use_tqdm=False))[0] == alone
+
+
 def test_n_completions(llm):
     out = llm.generate([prompts(1, seed=8)[0]], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5,
                                                               ignore_eos=True), use_tqdm=False)[0]  # fmt: skip

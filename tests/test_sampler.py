@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jserve.engine import sampler
 from jserve.engine.sampler import (
     BIAS_WIDTH,
     TOP_HEAD,
@@ -249,6 +250,40 @@ def test_greedy_rows_take_the_argmax_of_the_processed_logits():
     np.testing.assert_array_equal(np.asarray(out.token_ids)[greedy], processed[greedy].argmax(-1))
     # and the penalties matter: at least one greedy row picks something other than the raw argmax
     assert (np.asarray(out.token_ids)[greedy] != logits[greedy].argmax(-1)).any()
+
+
+def test_all_greedy_batches_take_the_argmax_of_the_processed_logits():
+    # Without a sampling row the step skips the filters and the noise, and without a bias or penalty
+    # also the processed copy of the logits: each case still picks the processed argmax.
+    logits = random_logits(6, seed=5)  # 4 rows and the batch's 2 padding rows
+    state = history_state()
+    plain = [(SamplingParams(temperature=0), ())] * 4
+    greedy = SamplingParams(temperature=0)
+    penalised, biased = (
+        dataclasses.replace(greedy, repetition_penalty=1.7),
+        dataclasses.replace(greedy, logit_bias={3: 50.0}),
+    )
+    adjusted = [(penalised, ()), (greedy, (9,)), (biased, ()), (greedy, ())]
+    for options in (plain, adjusted):
+        _, batch = rows_for(options)
+        out = np.asarray(SAMPLE(logits, batch, state).token_ids)
+        np.testing.assert_array_equal(out, np.asarray(PROCESS(logits, batch, state)).argmax(-1))
+    assert out[2] == 3
+
+
+@pytest.mark.parametrize("vocab", [64, 97, 1000, 49152, 151936])
+def test_blockwise_argmax_is_numpys_argmax(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[1, [5, vocab - 1]] = 100.0  # a tie: the first wins
+    x[3] = -np.inf
+    x[4, -1] = np.inf
+    x[5, :] = 7.0
+    nan = x.copy()
+    nan[2, [vocab // 2, vocab - 3]] = np.nan  # NaN wins, the first of them
+    for logits in (x, nan):
+        np.testing.assert_array_equal(np.asarray(jax.jit(sampler._argmax)(logits)), np.argmax(logits, axis=-1))
+    assert np.argmax(nan, axis=-1)[2] == vocab // 2
 
 
 DRAWS = 4000

@@ -63,6 +63,7 @@ class AttentionBackend:
                                 out_specs=(heads, kv), check_vma=False)  # fmt: skip
         return sharded(q, k, v, pages, meta)
 
+
 # Jitted so that a step traces and lowers one layer's attention once and calls it from every layer (the
 # arguments' shapes are the same): start-up tracing was mostly this, 30 times over. XLA inlines it again.
 @partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))

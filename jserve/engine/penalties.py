@@ -30,26 +30,31 @@ def update_penalty_state(
     token_ids: jax.Array,
     token_slots: jax.Array,
     is_output: jax.Array,
-    valid: jax.Array,
+    recorded: jax.Array,
     reset_slots: jax.Array,
     reset: jax.Array,
 ) -> PenaltyState:
-    """Clears the rows reset_slots[i] where reset[i], then records the step's valid input tokens [T].
+    """Clears the rows reset_slots[i] where reset[i], then records the input tokens [T] marked `recorded`.
 
     Prompt tokens mark prompt_mask, output tokens (generated earlier, fed back) add 1 to output_counts.
     Each token is fed as input exactly once, so counting inputs counts each token once.
     """
     num_slots = state.prompt_mask.shape[0]
-    # Masked-out entries point one row past the end, where the scatters drop them.
-    reset_rows = jnp.where(reset, reset_slots, num_slots)
-    prompt_rows = jnp.where(valid & ~is_output, token_slots, num_slots)
-    output_rows = jnp.where(valid & is_output, token_slots, num_slots)
-    prompt_mask = state.prompt_mask.at[reset_rows].set(False, mode="drop")
-    output_counts = state.output_counts.at[reset_rows].set(0, mode="drop")
-    return PenaltyState(
-        prompt_mask.at[prompt_rows, token_ids].set(True, mode="drop"),
-        output_counts.at[output_rows, token_ids].add(1, mode="drop"),
-    )
+
+    def record(state: PenaltyState) -> PenaltyState:
+        # Masked-out entries point one row past the end, where the scatters drop them.
+        reset_rows = jnp.where(reset, reset_slots, num_slots)
+        prompt_rows = jnp.where(recorded & ~is_output, token_slots, num_slots)
+        output_rows = jnp.where(recorded & is_output, token_slots, num_slots)
+        prompt_mask = state.prompt_mask.at[reset_rows].set(False, mode="drop")
+        output_counts = state.output_counts.at[reset_rows].set(0, mode="drop")
+        return PenaltyState(
+            prompt_mask.at[prompt_rows, token_ids].set(True, mode="drop"),
+            output_counts.at[output_rows, token_ids].add(1, mode="drop"),
+        )
+
+    # Clearing rows touches [S, V] of state; a step with nothing to record or clear skips it at run time.
+    return jax.lax.cond(jnp.any(recorded) | jnp.any(reset), record, lambda state: state, state)
 
 
 def apply_penalties(

@@ -164,8 +164,13 @@ class ModelRunner:
         is_output[:total] = model.attention.positions[:total] >= prompt_lens[seq_of_token]
         padded_slots = np.zeros(num_seqs, np.int32)
         padded_slots[:n] = slots
+        # Only requests with penalties read their token history, so only theirs is recorded (a step of
+        # others skips the [S, V] update on device); it starts afresh with their first chunk.
+        tracked = np.array([s.request.params.uses_penalties for s in sequences], bool)
+        recorded = np.zeros(bucket, bool)
+        recorded[:total] = tracked[seq_of_token]
         reset = np.zeros(num_seqs, bool)
-        reset[:n] = [s.first for s in sequences]
+        reset[:n] = tracked & np.array([s.first for s in sequences], bool)
         # A chunk that ends in a token still in flight takes it from the previous step's samples.
         pending_rows = np.full(bucket, -1, np.int32)
         ends = np.cumsum(lens) - 1
@@ -176,7 +181,7 @@ class ModelRunner:
         return StepInput(
             model=model,
             sampling=build_sampling_batch([self._sampling_row(s) for s in sequences], num_seqs),
-            penalties=PenaltyUpdate(token_slots, is_output, np.arange(bucket) < total, padded_slots, reset),
+            penalties=PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset),
             pending_rows=pending_rows,
         )
 

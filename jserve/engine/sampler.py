@@ -48,6 +48,8 @@ __all__ = [
 BIAS_WIDTH = MAX_LOGIT_BIAS + 20
 # top-k/top-p first look at this many best tokens of each row, and sort whole rows only if that is too few.
 TOP_HEAD = 1024
+# The greedy argmax scans rows in blocks of at most this many tokens (see _argmax).
+ARGMAX_BLOCK = 1024
 # Positive temperatures below this act as it: logits / 1e-40 would overflow to inf and softmax to NaN.
 MIN_TEMPERATURE = 1e-5
 
@@ -96,10 +98,7 @@ class SamplingRow:
 def process_logits(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
     """[S, V] logits as the draw sees them: biased and penalised; then for sampling rows also divided by
     the temperature and filtered by top-k, top-p and min-p (filtered-out tokens -inf)."""
-    logits = _apply_bias(jnp.asarray(logits, jnp.float32), batch)
-    logits = apply_penalties(
-        logits, state, batch.slots, batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
-    )
+    logits = _penalised(logits, batch, state)
     greedy = batch.temperature == 0
     temperature = jnp.where(greedy, 1.0, jnp.maximum(batch.temperature, MIN_TEMPERATURE))
     scaled = logits / temperature[:, None]
@@ -108,17 +107,22 @@ def process_logits(logits: jax.Array, batch: SamplingBatch, state: PenaltyState)
 
 def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> SamplerOutput:
     """One token per row: argmax of the processed logits for greedy rows, a seeded draw for the rest."""
-    processed = process_logits(logits, batch, state)
     greedy = batch.temperature == 0
 
-    def add_gumbel(x: jax.Array) -> jax.Array:
+    def draw() -> jax.Array:
         # argmax(logits + Gumbel noise) is a draw from softmax(logits); -inf entries stay -inf.
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(batch.seeds, batch.steps)
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, x.shape[-1:]))(keys)
-        return x + jnp.where(greedy[:, None], 0.0, noise)
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)
+        return _argmax(process_logits(logits, batch, state) + jnp.where(greedy[:, None], 0.0, noise))
 
-    perturbed = jax.lax.cond(jnp.all(greedy), lambda x: x, add_gumbel, processed)
-    token_ids = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
+    def pick_greedy() -> jax.Array:
+        # Greedy rows see only the bias and penalties: the [S, V] passes of the filters and the noise are
+        # skipped at run time when every row is greedy (the common case when serving), and so is the copy
+        # of the logits that a bias or penalty is written into when no row has either.
+        adjusted = jnp.any(batch.bias_ids >= 0) | jnp.any(_has_penalty(batch))
+        return jax.lax.cond(adjusted, lambda: _argmax(_penalised(logits, batch, state)), lambda: _argmax(logits))
+
+    token_ids = jax.lax.cond(jnp.all(greedy), pick_greedy, draw)
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
         raw = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
@@ -141,6 +145,39 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
     # A log-softmax and top-k over the whole vocabulary cost real time on CPU: only when some row asked.
     chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(batch.wants_top_logprobs), with_logprobs, without)
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _penalised(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
+    logits = _apply_bias(jnp.asarray(logits, jnp.float32), batch)
+    return apply_penalties(
+        logits, state, batch.slots, batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
+    )
+
+
+def _has_penalty(batch: SamplingBatch) -> jax.Array:
+    return (batch.repetition_penalty != 1) | (batch.presence_penalty != 0) | (batch.frequency_penalty != 0)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax of each row (the first maximum, or the first NaN) in two steps: the maximum of each block
+    of the row, then the best block's own argmax. XLA:CPU runs a whole-row argmax as a scalar (value,
+    index) reduction, ~15x slower than the blocks' vectorised maximum for SmolLM2's vocabulary."""
+    rows, vocab = x.shape
+    block = max(d for d in range(1, min(vocab, ARGMAX_BLOCK) + 1) if vocab % d == 0)
+
+    def by_blocks() -> jax.Array:
+        blocks = x.reshape(rows, vocab // block, block)
+        best = jnp.argmax(blocks.max(axis=-1), axis=-1)
+        within = jnp.argmax(jnp.take_along_axis(blocks, best[:, None, None], axis=1)[:, 0], axis=-1)
+        return (best * block + within).astype(jnp.int32)
+
+    def whole_rows() -> jax.Array:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    if block < 64:  # a vocabulary with no useful divisor
+        return whole_rows()
+    # The vectorised maximum may skip NaN; a NaN anywhere (seen in the sum) takes the exact path.
+    return jax.lax.cond(jnp.isnan(jnp.sum(x)), whole_rows, by_blocks)
 
 
 def _apply_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

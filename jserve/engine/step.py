@@ -24,7 +24,7 @@ class PenaltyUpdate:
 
     token_slots: jax.Array  # [T]
     is_output: jax.Array  # [T] the token was generated (not part of the prompt)
-    valid: jax.Array  # [T] False for padding tokens
+    recorded: jax.Array  # [T] the token's request has penalties (False for the others and for padding)
     reset_slots: jax.Array  # [S]
     reset: jax.Array  # [S] the sequence starts from position 0: its row starts afresh
 
@@ -60,7 +60,7 @@ def engine_step(
     logits, kv_cache = model(model_input, kv_cache, attention)
     p = step.penalties
     penalty_state = update_penalty_state(
-        penalty_state, token_ids, p.token_slots, p.is_output, p.valid, p.reset_slots, p.reset
+        penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
     )
     out = sample(logits, step.sampling, penalty_state)
     return out, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
