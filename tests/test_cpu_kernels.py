@@ -47,6 +47,14 @@ def test_all_padding_batch_is_zeros():
     assert not out.any()
 
 
+def test_zeros_are_zero_even_in_reused_memory():
+    shapes = [(3000, 16, 3, 64), (7, 5, 3), (1,)]  # gigabyte-scale pages, and buffers smaller than a page
+    for shape in shapes:
+        jax.block_until_ready(jnp.full(shape, jnp.nan))  # freed, so the allocator may hand it out again
+        zeros = cpu_kernels.zeros(shape, jnp.float32, 2)
+        assert all(z.shape == shape and z.dtype == jnp.float32 and not np.asarray(z).any() for z in zeros)
+
+
 needs_int8_kernel = pytest.mark.skipif(not cpu_kernels.int8_linear_available(),
                                        reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler")  # fmt: skip
 

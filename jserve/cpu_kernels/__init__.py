@@ -1,7 +1,7 @@
 """jserve's CPU kernels: C++ behind XLA's FFI, built on first use with the system compiler.
 
 paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_linear.cc the
-projections of --quantization int8 (with AVX-512 VNNI). The sources are compiled together,
+projections of --quantization int8 (with AVX-512 VNNI); zero_pages.cc allocates the KV cache. The sources are compiled together,
 once per machine, source, compiler and jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and
 registered as XLA custom calls. Without a C++ compiler `available()` is False and the CPU runs the
 plain-JAX attention and XLA's int8 dot instead.
@@ -34,6 +34,7 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 TARGETS = {  # XLA name: exported symbol
     "jserve_ragged_paged_attention": "JserveRaggedPagedAttention",
     "jserve_int8_linear": "JserveInt8Linear",
+    "jserve_zero_pages": "JserveZeroPages",
 }
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (AttendItem)
@@ -151,3 +152,10 @@ def int8_linear(x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]]) ->
     load()
     shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32) for w, _ in weights]
     return list(jax.ffi.ffi_call("jserve_int8_linear", shapes)(x, *(a for pair in weights for a in pair)))
+
+
+def zeros(shape: tuple[int, ...], dtype, count: int) -> list[jax.Array]:
+    """`count` zeroed arrays whose memory is not touched until first written (see zero_pages.cc)."""
+    load()
+    struct = jax.ShapeDtypeStruct(shape, dtype)
+    return list(jax.jit(jax.ffi.ffi_call("jserve_zero_pages", [struct] * count))())
