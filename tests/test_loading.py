@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 from jserve.cli import main as cli_main
 from jserve.errors import ModelLoadError
 from jserve.loader import load_model
+from jserve.loader.gguf_source import open_gguf
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import param_name
 
@@ -226,3 +227,17 @@ def test_random_weights_of_a_named_shape():
     assert all(0.015 < float(jnp.std(leaf.astype(jnp.float32))) < 0.025 for leaf in weights)
     with pytest.raises(ModelLoadError, match="unknown model shape"):
         load_model("random:gpt-5")
+
+
+def test_our_gguf_reader_reads_what_the_librarys_reads(smollm2_gguf_path):
+    """open_gguf replaces the gguf library's memmap slicing with plain ndarray slicing (3.3 s -> 0.7 s
+    for SmolLM2): every field and tensor must come out the same."""
+    ours, theirs = open_gguf(smollm2_gguf_path), gguf.GGUFReader(smollm2_gguf_path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types, name
+        assert ours.fields[name].contents() == field.contents(), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.tensor_type, list(mine.shape)) == (reference.tensor_type, list(reference.shape))
+        np.testing.assert_array_equal(mine.data, reference.data)

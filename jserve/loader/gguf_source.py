@@ -44,9 +44,24 @@ LAYER_NAMES = {
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+class _PlainReader(GGUFReader):
+    """GGUFReader slicing a plain ndarray view of its np.memmap: the memmap subclass runs Python code on
+    every slice, and building SmolLM2's fields (98k vocabulary and merge strings) took 3.3 s that way,
+    0.7 s this way. The parsing itself stays the library's."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        try:
+            plain = self._plain
+        except AttributeError:  # first call, from the base __init__
+            plain = self._plain = self.data.view(np.ndarray)
+        dtype, count = np.dtype(dtype), int(count)
+        array = plain[offset : offset + dtype.itemsize * count].view(dtype)[:count]
+        return array.view(array.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def open_gguf(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(path)
+        return _PlainReader(path)
     except Exception as err:  # the reader raises bare ValueError/struct errors on corrupt input
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(err).__name__}: {err})") from None
 

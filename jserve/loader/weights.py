@@ -45,7 +45,9 @@ def assemble(
     checkpoint's config; names may carry the HF `model.` prefix."""
     config = placement.config
     graphdef, abstract = abstract_model(config, dtype)
-    expected = expected_params(abstract_model(placement.original, dtype)[1])  # shapes as the checkpoint has them
+    # Shapes as the checkpoint has them (tensor-parallel padding may have grown the placed ones).
+    original = abstract if placement.original == config else abstract_model(placement.original, dtype)[1]
+    expected = expected_params(original)
     loaded: dict[str, jax.Array] = {}
     for name, array in tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False):
         key = name.removeprefix("model.")
