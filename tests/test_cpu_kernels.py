@@ -101,6 +101,20 @@ def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
 
 
 @needs_int8_kernel
+@pytest.mark.parametrize("real", [0, 1, 5, 64, 70, 130])
+def test_int8_linear_skips_padding_rows(real):
+    """Rows past `real_rows` (a step's padding) come back as zeros; the real ones are unchanged."""
+    x, *_ = int8_case(130, 1, 200, seed=3)
+    weights = [int8_case(1, outputs, 200, seed=outputs)[1:] for outputs in (70, 33)]
+    full = jax.jit(cpu_kernels.int8_linear)(x, weights)
+    padded = jax.jit(cpu_kernels.int8_linear)(x, weights, jnp.array([real], jnp.int32))
+    for y, reference in zip(padded, full, strict=True):
+        y, reference = np.asarray(y), np.asarray(reference)
+        np.testing.assert_array_equal(y[:real], reference[:real])
+        assert not y[real:].any()
+
+
+@needs_int8_kernel
 def test_int8_linear_runs_the_projections_of_one_input_in_one_call():
     """q/k/v or gate/up in one call: each output is bit for bit its own call's."""
     x, *_ = int8_case(70, 1, 130, seed=2)

@@ -157,24 +157,32 @@ struct Projection {
 };
 
 // y_i = x · w_iᵀ for the projections of one input (q/k/v, gate/up): x is quantized once and the weights
-// stream one after another in a single call. Arguments x, then (w_i, w_scale_i) pairs; one result each.
-ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights, ffi::RemainingRets results) {
+// stream one after another in a single call. Arguments x, the number of x's leading rows that are real
+// (the rest is a step's padding: its outputs are zeros, computed by nobody), then (w_i, w_scale_i) pairs;
+// one result each.
+ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, ffi::RemainingArgs weights,
+                      ffi::RemainingRets results) {
   const auto x_dims = x.dimensions();
-  if (x_dims.size() != 2 || weights.size() == 0 || weights.size() != 2 * results.size()) {
-    return ffi::Error::InvalidArgument("int8 linear: needs x [tokens, in], then a weight and its scales per result");
+  if (x_dims.size() != 2 || real_rows.element_count() != 1 || weights.size() == 0 ||
+      weights.size() != 2 * results.size()) {
+    return ffi::Error::InvalidArgument(
+        "int8 linear: needs x [tokens, in], its real row count [1], then a weight and its scales per result");
   }
-  const int64_t tokens = x_dims[0], depth = x_dims[1];
+  const int64_t rows = x_dims[0], depth = x_dims[1];
+  const int64_t tokens = std::clamp<int64_t>(real_rows.typed_data()[0], 0, rows);
   std::vector<Projection> projections;
   for (size_t i = 0; i < results.size(); ++i) {
     auto w = weights.get<ffi::Buffer<ffi::S8>>(2 * i);
     auto scale = weights.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
     auto y = results.get<ffi::Buffer<ffi::F32>>(i);
     if (!w || !scale || !y || w->dimensions().size() != 2 || w->dimensions()[1] != depth ||
-        scale->element_count() != w->dimensions()[0] || (*y)->element_count() != tokens * w->dimensions()[0]) {
+        scale->element_count() != w->dimensions()[0] || (*y)->element_count() != rows * w->dimensions()[0]) {
       return ffi::Error::InvalidArgument("int8 linear: each weight must be [out, in] int8 with out float32 scales");
     }
     projections.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), w->dimensions()[0]});
+    std::fill((*y)->typed_data() + tokens * w->dimensions()[0], (*y)->typed_data() + rows * w->dimensions()[0], 0.0f);
   }
+  if (tokens == 0) return ffi::Error::Success();
 #if JSERVE_VNNI
   const int64_t stride = (depth + 63) / 64 * 64;  // whole 64-byte vectors can be read
   std::vector<int8_t> digits(2 * tokens * stride, 0);
@@ -223,4 +231,8 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights, ffi::
 extern "C" int JserveInt8LinearSupported() { return JSERVE_VNNI; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveInt8Linear, Int8Linear,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets());
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

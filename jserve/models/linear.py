@@ -14,15 +14,16 @@ class Linear(nnx.Module):
         self.weight_scale = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if quantized else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return project(x, self)[0]
+    def __call__(self, x: jax.Array, real_rows: jax.Array | None = None) -> jax.Array:
+        return project(x, self, real_rows=real_rows)[0]
 
 
-def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
+def project(x: jax.Array, *linears: Linear, real_rows: jax.Array | None = None) -> list[jax.Array]:
     """The projections of one input (q/k/v, gate/up). Quantized, they share x's digits: one kernel call on
-    a CPU, one quantization elsewhere."""
+    a CPU, one quantization elsewhere. `real_rows` (int32 [1]): x's rows past it are a step's padding,
+    which the CPU kernel skips."""
     if linears[0].weight_scale is None:
         ys = [jax.lax.dot_general(x, p.weight[...], (((x.ndim - 1,), (1,)), ((), ()))) for p in linears]
     else:
-        ys = int8_matmuls(x, [(p.weight[...], p.weight_scale[...]) for p in linears])
+        ys = int8_matmuls(x, [(p.weight[...], p.weight_scale[...]) for p in linears], real_rows)
     return [y if p.bias is None else y + p.bias[...] for p, y in zip(linears, ys, strict=True)]

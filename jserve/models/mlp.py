@@ -14,6 +14,7 @@ class MLP(nnx.Module):
         self.up_proj = Linear(hidden, inner, bias=bias, dtype=dtype, quantized=quantized)
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, quantized=quantized)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = project(x, self.gate_proj, self.up_proj)
-        return self.down_proj(jax.nn.silu(gate) * up)
+    def __call__(self, x: jax.Array, real_rows: jax.Array | None = None) -> jax.Array:
+        """`real_rows` (int32 [1]): x's rows past it are padding (see linear.project)."""
+        gate, up = project(x, self.gate_proj, self.up_proj, real_rows=real_rows)
+        return self.down_proj(jax.nn.silu(gate) * up, real_rows)

@@ -50,12 +50,16 @@ def quantize_activations(rows: jax.Array) -> Int8Activations:
     return Int8Activations(jnp.concatenate([coarse, fine]), jnp.concatenate([coarse_scale, fine_scale]))
 
 
-def int8_matmuls(x: jax.Array, weights: list[tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
+def int8_matmuls(
+    x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], real_rows: jax.Array | None = None
+) -> list[jax.Array]:
     """x [..., in] times each int8 weight q [out, in] (per-row scale) -> [..., out] each, in x's dtype. The
-    projections of one input (q/k/v, gate/up) share its digits: on CPU one kernel call, else one quantization."""
+    projections of one input (q/k/v, gate/up) share its digits: on CPU one kernel call, else one quantization.
+    `real_rows` (int32 [1]): rows of x past it are padding; the CPU kernel skips them (their outputs are
+    zeros), XLA's ops compute them anyway."""
     rows = x.reshape(-1, x.shape[-1])
     if _takes_cpu_kernel():
-        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights)
+        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights, real_rows)
     else:
         digits = quantize_activations(rows)
         ys = [_xla_int8_matmul(digits, q, scale) for q, scale in weights]
