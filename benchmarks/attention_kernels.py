@@ -73,7 +73,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens per sequence")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--backends", nargs="+", default=["pallas", "reference"], choices=["cpu", "pallas", "reference"])
+    parser.add_argument(
+        "--backends", nargs="+", default=["pallas", "reference"], choices=["cpu", "pallas", "reference"]
+    )
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     heads, kv_heads, dim = SHAPES[args.shape]

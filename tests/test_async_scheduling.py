@@ -32,7 +32,10 @@ def summary(outputs):
     """What must match exactly, and the log-probs, which match to float noise (steps pad to other buckets)."""
     exact = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
     logprobs = [
-        [(c.cumulative_logprob, *[lp.logprob for entry in c.logprobs or [] for lp in entry.values()]) for c in o.outputs]
+        [
+            (c.cumulative_logprob, *[lp.logprob for entry in c.logprobs or [] for lp in entry.values()])
+            for c in o.outputs
+        ]
         for o in outputs
     ]
     ranks = [[[(tid, lp.rank) for entry in c.logprobs or [] for tid, lp in entry.items()] for c in o.outputs]
@@ -69,7 +72,8 @@ def test_outputs_are_identical_with_and_without_async_scheduling(tiny_llama_chec
 def test_the_next_step_is_launched_before_the_previous_is_processed(tiny_llama_checkpoint):
     llm = tiny_llm(tiny_llama_checkpoint[0])
     engine = llm.engine
-    engine.add_request(prompts(1, seed=43, low=16, high=17)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request(prompts(1, seed=43, low=16, high=17)[0], greedy)
     assert engine.step() == [] and engine.in_flight is not None  # the prefill launched, nothing processed yet
     outputs = engine.step()  # the first decode launched, then the prefill's sample processed
     assert [o.outputs[0].token_ids for o in outputs] == [engine.in_flight.sequences[0].request.output_token_ids]

@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from jserve import SamplingParams
-from jserve import cpu_kernels
+from jserve import SamplingParams, cpu_kernels
 from jserve.attention import CPU, REFERENCE, AttentionBackend, resolve_attention_backend
 from jserve.loader import load_model
 

@@ -14,10 +14,10 @@ from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.config import resolve_engine_config
 from jserve.engine.engine import LLMEngine
 from jserve.loader import load_model
-from jserve.paths import cache_dir
 from jserve.models.quantization import QUANTIZATIONS
 from jserve.parallel import make_mesh
 from jserve.parallel.distributed import agree_on_min
+from jserve.paths import cache_dir
 
 log = logging.getLogger("jserve")
 

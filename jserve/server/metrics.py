@@ -53,7 +53,8 @@ class ServerMetrics:
         self.waiting.set(scheduler.num_unfinished - running)
         self.kv_usage.set(1 - scheduler.pool.num_free / scheduler.pool.num_pages)
         counts = (stats.prompt_tokens, stats.generated_tokens, stats.preemptions, stats.prefix_cache_queries,
-                  stats.prefix_cache_hits, stats.steps, stats.host_s, stats.device_busy_s, stats.device_idle_s)  # fmt: skip
+                  stats.prefix_cache_hits, stats.steps, stats.host_s, stats.device_busy_s,
+                  stats.device_idle_s)  # fmt: skip
         counters = (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits,
                     self.steps, self.host_seconds, self.device_busy, self.device_idle)  # fmt: skip
         for counter, now, before in zip(counters, counts, self._counted, strict=True):
