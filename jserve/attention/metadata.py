@@ -24,6 +24,11 @@ class AttentionMetadata:
     context_lens: jax.Array  # [S] int32: tokens of each sequence in the cache once this step's are written
     query_start_loc: jax.Array  # [S + 1] int32: sequence s owns query tokens [start[s], start[s + 1])
 
+    @property
+    def real_tokens(self) -> jax.Array:
+        """int32 [1]: how many leading query tokens are real; the rest of the step is padding."""
+        return self.query_start_loc[-1:]
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)

@@ -180,8 +180,8 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
       return ffi::Error::InvalidArgument("int8 linear: each weight must be [out, in] int8 with out float32 scales");
     }
     projections.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), w->dimensions()[0]});
-    std::fill((*y)->typed_data() + tokens * w->dimensions()[0], (*y)->typed_data() + rows * w->dimensions()[0], 0.0f);
   }
+  for (const Projection& p : projections) std::fill(p.y + tokens * p.outputs, p.y + rows * p.outputs, 0.0f);
   if (tokens == 0) return ffi::Error::Success();
 #if JSERVE_VNNI
   const int64_t stride = (depth + 63) / 64 * 64;  // whole 64-byte vectors can be read

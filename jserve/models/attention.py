@@ -34,8 +34,8 @@ class Attention(nnx.Module):
         meta: AttentionMetadata,
         attention: AttentionBackend,
     ) -> tuple[jax.Array, KVPages]:
-        tokens, real_rows = x.shape[0], meta.query_start_loc[-1:]  # tokens past real_rows are padding
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj, real_rows=real_rows)
+        tokens = x.shape[0]
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj, real_rows=meta.real_tokens)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -43,4 +43,4 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out, kv = attention(q, k, v, kv, meta, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), real_rows), kv
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), meta.real_tokens), kv

@@ -52,7 +52,7 @@ class CausalLM(nnx.Module):
 
 # Jitted so that a step traces and lowers one decoder layer and calls it from every layer (their structure
 # and shapes are the same): tracing 30 unrolled layers was most of each bucket's start-up. XLA inlines the
-# calls again, so the compiled step is the same.
+# calls again (steps measured as fast or faster: docs/benchmarks.md).
 @partial(jax.jit, static_argnums=(0, 6))
 def _run_layer(graphdef, state, x, rope, kv, meta, attention):
     return nnx.merge(graphdef, state)(x, rope, kv, meta, attention)

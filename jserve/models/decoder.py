@@ -29,4 +29,4 @@ class DecoderLayer(nnx.Module):
     ) -> tuple[jax.Array, KVPages]:
         attn_out, kv = self.self_attn(self.input_layernorm(x), rope, kv, meta, attention)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), meta.query_start_loc[-1:]), kv
+        return x + self.mlp(self.post_attention_layernorm(x), meta.real_tokens), kv
