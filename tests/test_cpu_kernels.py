@@ -59,18 +59,28 @@ needs_int8_kernel = pytest.mark.skipif(not cpu_kernels.int8_linear_available(),
                                        reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler")  # fmt: skip
 
 
-def xla_int8_matmul(x, q, scale, monkeypatch):
-    with monkeypatch.context() as patch:
-        patch.setattr(quantization, "CPU_KERNEL", False)
-        return np.asarray(jax.jit(quantization.int8_matmul)(x, q, scale))
-
-
 def int8_case(tokens, outputs, depth, seed=0):
+    """x with some all-zero (padding) rows, and an int8 weight in rows with its scales."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, depth)).astype(np.float32) * rng.uniform(0.01, 100, (tokens, 1)).astype(np.float32)
-    x[1::3] = 0  # padding rows
+    x[1::3] = 0
     q, scale = quantization.quantize_rows(rng.standard_normal((outputs, depth)).astype(np.float32))
     return x, q, scale
+
+
+def tiled(q, scale):
+    return quantization.tile(q), scale
+
+
+def test_tiles_hold_the_rows():
+    """tile() pads to whole tiles and rows_of() reads any rows back from them (the embedding lookup)."""
+    q = np.random.default_rng(0).integers(-127, 128, (37, 10), dtype=np.int8)
+    tiles = np.asarray(quantization.tile(q))
+    assert tiles.shape == (3, 3, 16, 4) and tiles.dtype == np.int8
+    assert tiles[2, 2, 4, 0] == q[36, 8] and tiles[1, 0, 3, 2] == q[19, 2] and not tiles[2, :, 5:].any() and not tiles[:, 2, :, 2:].any()
+    ids = jnp.array([0, 36, 15, 16, 5, 5])
+    np.testing.assert_array_equal(np.asarray(quantization.rows_of(jnp.asarray(tiles), ids, 10)), q[np.asarray(ids)])
+    np.testing.assert_array_equal(np.asarray(quantization.rows_of(jnp.asarray(q), ids, 10)), q[np.asarray(ids)])
 
 
 # tokens x outputs x depth: SmolLM2's projections and head; depths and outputs that are not whole vectors or
@@ -79,12 +89,12 @@ def int8_case(tokens, outputs, depth, seed=0):
 @pytest.mark.parametrize("tokens, outputs, depth", [(1, 576, 576), (1, 49152, 576), (3, 576, 1536), (1, 7, 3),
                                                     (5, 33, 100), (13, 70, 130), (64, 1536, 576),
                                                     (130, 50, 200), (200, 576, 576)])  # fmt: skip
-def test_int8_linear_matches_xla_ops(tokens, outputs, depth, monkeypatch):
-    """The same quantization and integer sums as XLA's ops; the floats differ only where XLA fuses a
-    product and a sum into an FMA and the kernel does not, or the other way round (~1e-6 of the row)."""
+def test_int8_linear_matches_xla_ops(tokens, outputs, depth):
+    """The same quantization and integer sums as XLA's ops on the rows; the floats differ only where XLA fuses
+    a product and a sum into an FMA and the kernel does not, or the other way round (~1e-6 of the row)."""
     x, q, scale = int8_case(tokens, outputs, depth)
-    [got] = map(np.asarray, jax.jit(cpu_kernels.int8_linear)(x, [(q, scale)]))
-    expected = xla_int8_matmul(x, q, scale, monkeypatch)
+    [got] = map(np.asarray, jax.jit(cpu_kernels.int8_linear)(x, [tiled(q, scale)]))
+    expected = np.asarray(jax.jit(quantization.int8_matmul)(x, q, scale))
     assert got.dtype == np.float32 and not got[1::3].any()
     assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
 
@@ -94,6 +104,7 @@ def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
     """A token's output is bit for bit the same alone or among others, at any place in passes and tiles."""
     x, q, scale = int8_case(150, 300, 576, seed=1)
     linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, [(q, scale)])[0])
+    q, scale = tiled(q, scale)
     together = np.asarray(linear(x, q, scale))
     for row in (0, 3, 63, 64, 149):
         np.testing.assert_array_equal(np.asarray(linear(x[row : row + 1], q, scale))[0], together[row])
@@ -105,7 +116,7 @@ def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
 def test_int8_linear_skips_padding_rows(real):
     """Rows past `real_rows` (a step's padding) come back as zeros; the real ones are unchanged."""
     x, *_ = int8_case(130, 1, 200, seed=3)
-    weights = [int8_case(1, outputs, 200, seed=outputs)[1:] for outputs in (70, 33)]
+    weights = [tiled(*int8_case(1, outputs, 200, seed=outputs)[1:]) for outputs in (70, 33)]
     full = jax.jit(cpu_kernels.int8_linear)(x, weights)
     padded = jax.jit(cpu_kernels.int8_linear)(x, weights, jnp.array([real], jnp.int32))
     for y, reference in zip(padded, full, strict=True):
@@ -118,7 +129,7 @@ def test_int8_linear_skips_padding_rows(real):
 def test_int8_linear_runs_the_projections_of_one_input_in_one_call():
     """q/k/v or gate/up in one call: each output is bit for bit its own call's."""
     x, *_ = int8_case(70, 1, 130, seed=2)
-    weights = [int8_case(1, outputs, 130, seed=outputs)[1:] for outputs in (300, 16, 45)]
+    weights = [tiled(*int8_case(1, outputs, 130, seed=outputs)[1:]) for outputs in (300, 16, 45)]
     together = jax.jit(cpu_kernels.int8_linear)(x, weights)
     assert [y.shape for y in together] == [(70, 300), (70, 16), (70, 45)]
     for pair, y in zip(weights, together, strict=True):
@@ -127,12 +138,14 @@ def test_int8_linear_runs_the_projections_of_one_input_in_one_call():
 
 @needs_int8_kernel
 def test_int8_projections_take_the_kernel_on_a_cpu(monkeypatch):
+    """Tiles go to the kernel and rows to XLA's ops; the loader tiles unless CPU_KERNEL is off."""
     q, scale = quantization.quantize_rows(np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32))
     x = jnp.ones((3, 5, 32), jnp.float32)
-    lowered = lambda: jax.jit(lambda x: quantization.int8_matmul(x, q, scale)).lower(x)  # noqa: E731
-    assert "jserve_int8_linear" in lowered().as_text()
+    lowered = lambda q: jax.jit(lambda x: quantization.int8_matmul(x, q, scale)).lower(x).as_text()  # noqa: E731
+    assert "jserve_int8_linear" in lowered(quantization.tile(q)) and "jserve_int8_linear" not in lowered(q)
+    assert quantization.tiles_weights()
     monkeypatch.setattr(quantization, "CPU_KERNEL", False)
-    assert "jserve_int8_linear" not in lowered().as_text()
+    assert not quantization.tiles_weights()
 
 
 def test_library_is_built_once_per_source(tmp_path, monkeypatch):

@@ -4,13 +4,14 @@ against float ones (tiny checkpoints of each family, and SmolLM2) through the en
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jserve import LLM, SamplingParams
 from jserve.loader import load_model
 from jserve.loader.weights import param_name
-from jserve.models.quantization import int8_matmul, quantize_rows
+from jserve.models.quantization import int8_matmul, quantize_rows, rows_of, tiles_weights
 
 from test_engine import prompts, tiny_llm
 from tiny_models import VARIANTS, assert_engine_idle, jserve_prompt_logits, save_tiny_checkpoint
@@ -52,9 +53,9 @@ def test_int8_model_is_the_float_model_with_int8_rounded_weights(tmp_path, varia
     family, overrides = VARIANTS[variant]
     save_tiny_checkpoint(tmp_path, family, **overrides)
     full, int8 = load_model(tmp_path, "float32"), load_model(tmp_path, "float32", quantization="int8")
-    matrices = [leaf for leaf in jax.tree.leaves(int8.params) if leaf.ndim == 2]
+    matrices = [leaf for leaf in jax.tree.leaves(int8.params) if leaf.ndim >= 2]
     assert len(matrices) == 7 * 2 + 1 + (not int8.config.tie_word_embeddings)  # projections, embedding, head
-    assert all(leaf.dtype == np.int8 for leaf in matrices)
+    assert all(leaf.dtype == np.int8 and leaf.ndim == (4 if tiles_weights() else 2) for leaf in matrices)
     nbytes = [sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)) for model in (full, int8)]
     assert nbytes[1] < 0.3 * nbytes[0]
     # The int8 model computes what the float model computes with its weights rounded to int8, and nothing else:
@@ -63,7 +64,9 @@ def test_int8_model_is_the_float_model_with_int8_rounded_weights(tmp_path, varia
     quantized = dict(zip(map(param_name, paths(int8.params)), jax.tree.leaves(int8.params), strict=True))
     for name, q in quantized.items():
         if q.dtype == np.int8:
-            rounded[name] = q.astype(np.float32) * quantized[name + "_scale"][:, None]
+            scale = quantized[name + "_scale"]
+            q = rows_of(q, jnp.arange(scale.shape[0]), rounded[name].shape[1])
+            rounded[name] = q.astype(np.float32) * scale[:, None]
     as_rounded = dataclasses.replace(full, params=jax.tree_util.tree_map_with_path(
         lambda path, _: rounded[param_name(path)], full.params))  # fmt: skip
     ids = prompts(1, seed=3, low=30, high=31)[0]

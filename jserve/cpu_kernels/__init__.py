@@ -149,13 +149,14 @@ def int8_linear_available() -> bool:
 def int8_linear(
     x: jax.Array, weights: Sequence[tuple[jax.Array, jax.Array]], real_rows: jax.Array | None = None
 ) -> list[jax.Array]:
-    """x [tokens, in] float32 times each int8 weight w [out, in] with its float32 scale per output ->
-    [tokens, out] float32 each: the projections of one input in one call, x quantized once. `real_rows`
-    (int32 [1]): only x's first rows are real; the other rows' outputs are zeros, and cost nothing."""
+    """x [tokens, in] float32 times each int8 weight, in quantization.tile's tiles, with its float32 scale
+    per output -> [tokens, out] float32 each: the projections of one input in one call, x quantized once.
+    `real_rows` (int32 [1]): only x's first rows are real; the other rows' outputs are zeros, and cost
+    nothing."""
     load()
     if real_rows is None:
         real_rows = jnp.full((1,), x.shape[0], jnp.int32)
-    shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32) for w, _ in weights]
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], scale.shape[0]), jnp.float32) for _, scale in weights]
     operands = (x, real_rows.astype(jnp.int32).reshape(1), *(a for pair in weights for a in pair))
     return list(jax.ffi.ffi_call("jserve_int8_linear", shapes)(*operands))
 

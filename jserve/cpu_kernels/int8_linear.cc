@@ -6,17 +6,18 @@
 // depends on the other tokens of the step. XLA's ops compute the same except where XLA fuses a product
 // and a sum into an FMA differently (about 1e-6 of a row).
 //
-// XLA:CPU runs its int8 dot on one thread at a fraction of memory speed and spends a dozen small ops on
-// quantizing x; here it is one call. With AVX-512 VNNI, vpdpbusd multiplies unsigned by signed bytes, 64
-// per instruction: the weight is made unsigned by flipping its sign bit (w + 128), and 128 · Σ digits is
-// taken off again. Weight rows are read one after another (the hardware prefetcher follows one stream;
-// reading 8 rows side by side measured 2-3x slower) into one accumulator per digit row, and each 16 rows'
-// accumulators are summed across lanes together. Work is split over the kernels' workers (parallel.h) by
-// outputs and by tiles of tokens. Without AVX-512 VNNI the library says so (JserveInt8LinearSupported)
-// and XLA's ops run instead.
+// The weights come in quantization.py's tiles, [out / 16, in / 4, 16, 4]: the layout of AVX-512 VNNI's
+// vpdpbusd, which multiplies 4 unsigned bytes by 4 signed ones into each of 16 int32 lanes. A tile of 16
+// outputs is read once, front to back (one stream for the hardware prefetcher), against up to 16 digit rows
+// held in registers; tiles measured 1.3-2x faster than reading rows and summing across lanes, from 1 to 64
+// tokens (docs/benchmarks.md). The weight is made unsigned by flipping its sign bit (w + 128), and
+// 128 · Σ digits is taken off again. Work is split over the kernels' workers (parallel.h) by outputs and
+// by tiles of tokens. Without AVX-512 VNNI the library says so (JserveInt8LinearSupported) and the weights
+// stay in rows for XLA's ops.
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "parallel.h"
@@ -33,9 +34,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kBlock = 16;        // outputs summed across lanes together
+constexpr int64_t kOutputs = 16;      // outputs per tile (one vector of int32 sums)
+constexpr int64_t kDepth = 4;         // inputs per group of a tile (vpdpbusd's 4 bytes per lane)
 constexpr int64_t kTokenTile = 64;    // tokens per work item: their digits stay in L2 while the weight streams
-constexpr int64_t kTokensPerPass = 4; // tokens (8 digit rows) per pass over a block of weight rows
+constexpr int64_t kTokensPerPass = 8; // tokens (16 digit rows, 16 accumulators) per pass over a tile
 // Multiply-adds per work item: a lone decode's smallest projection (192 x 576) still splits in two.
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;
 
@@ -83,57 +85,31 @@ Quantized QuantizeRow(const float* x, int64_t depth, int8_t* coarse, int8_t* fin
   return q;
 }
 
-// 16 vectors -> one vector of their lane sums. Lane k ends up with the sum of v[(k % 4) * 4 + k / 4], so
-// callers store row j's accumulator at Slot(j) to read the sums in order.
-constexpr int Slot(int j) { return (j % 4) * 4 + j / 4; }
-
-__m512i Reduce16(const __m512i* v) {
-  __m512i a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {  // 256-bit halves
-    a[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x44),
-                            _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {  // 128-bit quarters
-    b[i] = _mm512_add_epi32(_mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0x88),
-                            _mm512_shuffle_i64x2(a[2 * i], a[2 * i + 1], 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {
-    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_epi32(b[2 * i], b[2 * i + 1]));
-  }
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(c[0], c[1]), _mm512_unpackhi_epi64(c[0], c[1]));
-}
-
-// y[t, o0 + j] for j < n ≤ 16 and kTokens tokens from `token`: digits rows 2t (coarse) and 2t + 1 (fine).
+// y[t, o0 + j] for j < n ≤ 16 and kTokens tokens (digit rows 2t coarse and 2t + 1 fine) from one tile of
+// 16 outputs: tile[g][j][0..3] is w[o0 + j][4g..4g+3], so one 64-byte load feeds 16 outputs and each digit
+// row's 4 bytes are broadcast to meet it; every accumulator lane is one output's sum, with no reduction
+// across lanes. The 2·kTokens accumulators stay in registers while the tile streams by once.
 template <int kTokens>
-void Block(const int8_t* digits, int64_t stride, const Quantized* q, const int8_t* w, const float* w_scale,
-           int64_t depth, int64_t outputs, int64_t o0, int64_t n, float* y) {
+void Tile(const int8_t* digits, int64_t stride, const Quantized* q, const int8_t* tile, int64_t groups,
+          const float* w_scale, int64_t outputs, int64_t o0, int64_t n, float* y) {
   constexpr int kRows = 2 * kTokens;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t chunks = (depth + 63) / 64;
-  const __mmask64 last = depth % 64 ? (~0ULL >> (64 - depth % 64)) : ~0ULL;
-  alignas(64) __m512i acc[kRows][kBlock];
-  for (int64_t j = 0; j < kBlock; ++j) {
-    __m512i a[kRows];
-    for (int r = 0; r < kRows; ++r) a[r] = _mm512_setzero_si512();
-    if (j < n) {
-      const int8_t* row = w + (o0 + j) * depth;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __mmask64 m = c + 1 < chunks ? ~0ULL : last;
-        const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, row + 64 * c), flip);
-        for (int r = 0; r < kRows; ++r) {
-          a[r] = _mm512_dpbusd_epi32(a[r], wv, _mm512_loadu_si512(digits + r * stride + 64 * c));
-        }
-      }
+  __m512i acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_si512();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g), flip);
+    for (int r = 0; r < kRows; ++r) {
+      int32_t four;
+      std::memcpy(&four, digits + r * stride + 4 * g, 4);
+      acc[r] = _mm512_dpbusd_epi32(acc[r], wv, _mm512_set1_epi32(four));
     }
-    for (int r = 0; r < kRows; ++r) acc[r][Slot(j)] = a[r];
   }
   const __mmask16 m = n >= 16 ? 0xFFFF : (1u << n) - 1;
   const __m512 ws = _mm512_maskz_loadu_ps(m, w_scale + o0);
   for (int t = 0; t < kTokens; ++t) {
-    // The masked-off lanes of the padding outputs carry 128 · Σ digits; they are never stored.
     __m512 sums[2];
     for (int d = 0; d < 2; ++d) {
-      sums[d] = _mm512_cvtepi32_ps(_mm512_sub_epi32(Reduce16(acc[2 * t + d]), _mm512_set1_epi32(128 * q[t].sum[d])));
+      sums[d] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[2 * t + d], _mm512_set1_epi32(128 * q[t].sum[d])));
     }
     // (coarse · s1 + fine · s2) · w_scale, with the first product and the sum as one FMA, as XLA:CPU fuses it.
     const __m512 fine = _mm512_mul_round_ps(sums[1], _mm512_set1_ps(q[t].scale[1]), kNearest);
@@ -143,12 +119,13 @@ void Block(const int8_t* digits, int64_t stride, const Quantized* q, const int8_
   }
 }
 
-using BlockFn = void (*)(const int8_t*, int64_t, const Quantized*, const int8_t*, const float*, int64_t, int64_t,
-                         int64_t, int64_t, float*);
-constexpr BlockFn kBlocks[kTokensPerPass + 1] = {nullptr, Block<1>, Block<2>, Block<3>, Block<4>};
+using TileFn = void (*)(const int8_t*, int64_t, const Quantized*, const int8_t*, int64_t, const float*, int64_t,
+                        int64_t, int64_t, float*);
+constexpr TileFn kTiles[kTokensPerPass + 1] = {nullptr,  Tile<1>, Tile<2>, Tile<3>, Tile<4>,
+                                               Tile<5>, Tile<6>, Tile<7>, Tile<8>};
 #endif
 
-// One projection of x: its weight, scales and output.
+// One projection of x: its tiled weight, scales and output.
 struct Projection {
   const int8_t* w;
   const float* w_scale;
@@ -158,8 +135,8 @@ struct Projection {
 
 // y_i = x · w_iᵀ for the projections of one input (q/k/v, gate/up): x is quantized once and the weights
 // stream one after another in a single call. Arguments x, the number of x's leading rows that are real
-// (the rest is a step's padding: its outputs are zeros, computed by nobody), then (w_i, w_scale_i) pairs;
-// one result each.
+// (the rest is a step's padding: its outputs are zeros, computed by nobody), then (tiled w_i, w_scale_i)
+// pairs; one result each.
 ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, ffi::RemainingArgs weights,
                       ffi::RemainingRets results) {
   const auto x_dims = x.dimensions();
@@ -168,23 +145,27 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
     return ffi::Error::InvalidArgument(
         "int8 linear: needs x [tokens, in], its real row count [1], then a weight and its scales per result");
   }
-  const int64_t rows = x_dims[0], depth = x_dims[1];
+  const int64_t rows = x_dims[0], depth = x_dims[1], groups = (depth + kDepth - 1) / kDepth;
   const int64_t tokens = std::clamp<int64_t>(real_rows.typed_data()[0], 0, rows);
   std::vector<Projection> projections;
   for (size_t i = 0; i < results.size(); ++i) {
     auto w = weights.get<ffi::Buffer<ffi::S8>>(2 * i);
     auto scale = weights.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
     auto y = results.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w || !scale || !y || w->dimensions().size() != 2 || w->dimensions()[1] != depth ||
-        scale->element_count() != w->dimensions()[0] || (*y)->element_count() != rows * w->dimensions()[0]) {
-      return ffi::Error::InvalidArgument("int8 linear: each weight must be [out, in] int8 with out float32 scales");
+    if (!w || !scale || !y) return ffi::Error::InvalidArgument("int8 linear: weights are int8, scales float32");
+    const int64_t outputs = scale->element_count();
+    const auto w_dims = w->dimensions();
+    if (w_dims.size() != 4 || w_dims[0] != (outputs + kOutputs - 1) / kOutputs || w_dims[1] != groups ||
+        w_dims[2] != kOutputs || w_dims[3] != kDepth || (*y)->element_count() != rows * outputs) {
+      return ffi::Error::InvalidArgument("int8 linear: each weight must be tiled [out/16, in/4, 16, 4] (rounded "
+                                         "up) with out float32 scales");
     }
-    projections.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), w->dimensions()[0]});
+    projections.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), outputs});
   }
   for (const Projection& p : projections) std::fill(p.y + tokens * p.outputs, p.y + rows * p.outputs, 0.0f);
   if (tokens == 0) return ffi::Error::Success();
 #if JSERVE_VNNI
-  const int64_t stride = (depth + 63) / 64 * 64;  // whole 64-byte vectors can be read
+  const int64_t stride = (depth + 63) / 64 * 64;  // QuantizeRow writes whole vectors; zeros past depth
   std::vector<int8_t> digits(2 * tokens * stride, 0);
   std::vector<Quantized> quantized(tokens);
   const int64_t tiles = (tokens + kTokenTile - 1) / kTokenTile;
@@ -201,22 +182,25 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
     int64_t o_begin, o_end, t_begin;
   };
   const int64_t tile_tokens = std::min(tokens, kTokenTile);
-  const int64_t per_item = std::max<int64_t>(kBlock, kWorkPerItem / (2 * tile_tokens * depth) / kBlock * kBlock);
+  const int64_t per_item =
+      std::max<int64_t>(kOutputs, kWorkPerItem / (2 * tile_tokens * depth) / kOutputs * kOutputs);
   std::vector<Item> items;
   for (int64_t t = 0; t < tokens; t += kTokenTile) {
     for (const Projection& p : projections) {
       for (int64_t o = 0; o < p.outputs; o += per_item) items.push_back({&p, o, std::min(p.outputs, o + per_item), t});
     }
   }
+  const int64_t tile_bytes = groups * kDepth * kOutputs;
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
     const Projection& p = *item.p;
     const int64_t t_end = std::min(tokens, item.t_begin + kTokenTile);
-    for (int64_t o0 = item.o_begin; o0 < item.o_end; o0 += kBlock) {
+    for (int64_t o0 = item.o_begin; o0 < item.o_end; o0 += kOutputs) {
+      const int8_t* tile = p.w + o0 / kOutputs * tile_bytes;
       for (int64_t t = item.t_begin; t < t_end; t += kTokensPerPass) {
-        kBlocks[std::min(kTokensPerPass, t_end - t)](digits.data() + 2 * t * stride, stride, quantized.data() + t, p.w,
-                                                     p.w_scale, depth, p.outputs, o0, std::min(kBlock, item.o_end - o0),
-                                                     p.y + t * p.outputs);
+        kTiles[std::min(kTokensPerPass, t_end - t)](digits.data() + 2 * t * stride, stride, quantized.data() + t,
+                                                    tile, groups, p.w_scale, p.outputs, o0,
+                                                    std::min(kOutputs, item.o_end - o0), p.y + t * p.outputs);
       }
     }
   });

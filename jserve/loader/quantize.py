@@ -11,25 +11,31 @@ import jax
 from flax import nnx
 
 from jserve.loader.weights import abstract_model, param_name
-from jserve.models.quantization import quantize_rows
+from jserve.models.quantization import quantize_rows, tile, tiles_weights
 from jserve.parallel import WeightPlacement
 
 
 def quantize_model(placement: WeightPlacement, params: nnx.State, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params) of the int8 model: each int8 weight and its `weight_scale` from the float weight."""
+    """(graphdef, params) of the int8 model: each int8 weight and its `weight_scale` from the float weight,
+    the weight in the CPU kernel's tiles where it will run them."""
     graphdef, abstract = abstract_model(placement.config, dtype, quantized=True)
+    tiled = tiles_weights()
     floats = {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     done: dict[str, jax.Array] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         name = param_name(path)
         if leaf.dtype == "int8":
             scale = name + "_scale"
-            done[name], done[scale] = _quantizer(placement.sharding(name), placement.sharding(scale))(floats[name])
+            done[name], done[scale] = _quantizer(placement.sharding(name), placement.sharding(scale), tiled)(floats[name])
         elif name not in done:
             done[name] = floats[name]
     return graphdef, jax.tree_util.tree_map_with_path(lambda path, _: done[param_name(path)], abstract)
 
 
 @cache
-def _quantizer(weight_sharding, scale_sharding):
-    return jax.jit(quantize_rows, out_shardings=None if weight_sharding is None else (weight_sharding, scale_sharding))
+def _quantizer(weight_sharding, scale_sharding, tiled: bool):
+    def quantize(w):
+        q, scale = quantize_rows(w)
+        return (tile(q) if tiled else q), scale
+
+    return jax.jit(quantize, out_shardings=None if weight_sharding is None else (weight_sharding, scale_sharding))

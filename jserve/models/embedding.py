@@ -1,23 +1,23 @@
 """Token embedding; its table doubles as the LM head when the checkpoint ties them. Quantized, the table
-is int8 with a float32 scale per token row."""
+is int8 with a float32 scale per token row (in rows, or in the CPU kernel's tiles: see quantization.py)."""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.models.quantization import int8_matmul
+from jserve.models.quantization import int8_matmul, rows_of
 
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, dtype, quantized: bool = False):
-        self.dtype = dtype
+        self.dtype, self.hidden_size = dtype, hidden_size
         self.weight = nnx.Param(jnp.zeros((vocab_size, hidden_size), jnp.int8 if quantized else dtype))
         self.weight_scale = nnx.Param(jnp.zeros((vocab_size,), jnp.float32)) if quantized else None
 
     def __call__(self, token_ids: jax.Array) -> jax.Array:
-        rows = jnp.take(self.weight[...], token_ids, axis=0)
         if self.weight_scale is None:
-            return rows
+            return jnp.take(self.weight[...], token_ids, axis=0)
+        rows = rows_of(self.weight[...], token_ids, self.hidden_size)
         return (rows * jnp.take(self.weight_scale[...], token_ids)[:, None]).astype(self.dtype)
 
     def attend(self, hidden: jax.Array) -> jax.Array:

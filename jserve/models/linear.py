@@ -1,5 +1,6 @@
 """A dense projection holding its weight in the checkpoint's [out, in] layout, so loading never transposes.
-Quantized, the weight is int8 with a float32 scale per output feature (see quantization.py)."""
+Quantized, the weight is int8 with a float32 scale per output feature, in rows or, where jserve's CPU
+kernel runs it, in the kernel's tiles (see quantization.py)."""
 
 import jax
 import jax.numpy as jnp

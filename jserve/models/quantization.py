@@ -20,9 +20,10 @@ from jserve import cpu_kernels
 
 QUANTIZATIONS = ("none", "int8")
 # On a lone CPU device with AVX-512 VNNI, the C++ kernel runs every int8 projection, quantizing x itself:
-# 1.3-2.8x faster than XLA's ops from 1 to 512 tokens (docs/benchmarks.md). False runs XLA's everywhere
-# (benchmarks compare the two).
+# 2-5x faster than XLA's ops from 1 to 512 tokens (docs/benchmarks.md). False when loading keeps rows, so
+# XLA's ops run everywhere (benchmarks compare the two).
 CPU_KERNEL = True
+TILE = (16, 4)  # outputs x inputs per tile (cpu_kernels/int8_linear.cc)
 
 
 def quantize_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -50,15 +51,47 @@ def quantize_activations(rows: jax.Array) -> Int8Activations:
     return Int8Activations(jnp.concatenate([coarse, fine]), jnp.concatenate([coarse_scale, fine_scale]))
 
 
+def tile(q: jax.Array) -> jax.Array:
+    """int8 rows [out, in] -> the CPU kernel's tiles [ceil(out / 16), ceil(in / 4), 16, 4], zero padded:
+    tiles[b, g, j, i] = q[16 b + j, 4 g + i]."""
+    (out, depth), (tile_out, tile_in) = q.shape, TILE
+    blocks, groups = -(-out // tile_out), -(-depth // tile_in)
+    q = jnp.pad(q, ((0, blocks * tile_out - out), (0, groups * tile_in - depth)))
+    return q.reshape(blocks, tile_out, groups, tile_in).transpose(0, 2, 1, 3)
+
+
+def rows_of(q: jax.Array, ids: jax.Array, depth: int) -> jax.Array:
+    """Rows `ids` [N] of an int8 weight in rows or tiles -> [N, depth] (the embedding lookup)."""
+    if not is_tiled(q):
+        return jnp.take(q, ids, axis=0)
+    tile_out = TILE[0]
+    return q[ids // tile_out, :, ids % tile_out, :].reshape(ids.shape[0], -1)[:, :depth]
+
+
+def is_tiled(q: jax.Array) -> bool:
+    return q.ndim == 4
+
+
+def tiles_weights() -> bool:
+    """Whether int8 weights loaded now go to the CPU kernel, in tiles: on a lone CPU device with the kernel
+    (with several, the weight may be sharded, and XLA cannot split a custom call)."""
+    return (
+        CPU_KERNEL
+        and jax.default_backend() == "cpu"
+        and jax.device_count() == 1
+        and cpu_kernels.int8_linear_available()
+    )
+
+
 def int8_matmuls(
     x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], real_rows: jax.Array | None = None
 ) -> list[jax.Array]:
-    """x [..., in] times each int8 weight q [out, in] (per-row scale) -> [..., out] each, in x's dtype. The
-    projections of one input (q/k/v, gate/up) share its digits: on CPU one kernel call, else one quantization.
-    `real_rows` (int32 [1]): rows of x past it are padding; the CPU kernel skips them (their outputs are
-    zeros), XLA's ops compute them anyway."""
+    """x [..., in] times each int8 weight q (rows [out, in] or tiles) with its scale per output -> [..., out]
+    each, in x's dtype. The projections of one input (q/k/v, gate/up) share its digits: tiles go to the CPU
+    kernel in one call, rows to XLA's ops after one quantization. `real_rows` (int32 [1]): rows of x past
+    it are padding; the CPU kernel skips them (their outputs are zeros), XLA's ops compute them anyway."""
     rows = x.reshape(-1, x.shape[-1])
-    if _takes_cpu_kernel():
+    if is_tiled(weights[0][0]):
         ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights, real_rows)
     else:
         digits = quantize_activations(rows)
@@ -75,13 +108,3 @@ def _xla_int8_matmul(x: Int8Activations, q: jax.Array, scale: jax.Array) -> jax.
     acc = acc.astype(jnp.float32) * x.scales[:, None]
     n = acc.shape[0] // 2
     return (acc[:n] + acc[n:]) * scale
-
-
-def _takes_cpu_kernel() -> bool:
-    """On a lone CPU device only: with several, the weight may be sharded, and XLA cannot split a custom call."""
-    return (
-        CPU_KERNEL
-        and jax.default_backend() == "cpu"
-        and jax.device_count() == 1
-        and cpu_kernels.int8_linear_available()
-    )
