@@ -26,7 +26,8 @@ def quantize_model(placement: WeightPlacement, params: nnx.State, dtype) -> tupl
         name = param_name(path)
         if leaf.dtype == "int8":
             scale = name + "_scale"
-            done[name], done[scale] = _quantizer(placement.sharding(name), placement.sharding(scale), tiled)(floats[name])
+            quantizer = _quantizer(placement.sharding(name), placement.sharding(scale), tiled)
+            done[name], done[scale] = quantizer(floats[name])
         elif name not in done:
             done[name] = floats[name]
     return graphdef, jax.tree_util.tree_map_with_path(lambda path, _: done[param_name(path)], abstract)
