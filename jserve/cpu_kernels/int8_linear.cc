@@ -40,6 +40,7 @@ constexpr int64_t kTokenTile = 64;    // tokens per work item: their digits stay
 constexpr int64_t kTokensPerPass = 8; // tokens (16 digit rows, 16 accumulators) per pass over a tile
 // Multiply-adds per work item: a lone decode's smallest projection (192 x 576) still splits in two.
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;
+constexpr int64_t kMinTiles = 8;  // per work item: each tile's loads prefetch the next one's
 
 #if JSERVE_VNNI
 // One token's activations as two int8 digit rows with their scales and digit sums.
@@ -90,13 +91,14 @@ Quantized QuantizeRow(const float* x, int64_t depth, int8_t* coarse, int8_t* fin
 // row's 4 bytes are broadcast to meet it; every accumulator lane is one output's sum, with no reduction
 // across lanes. The 2·kTokens accumulators stay in registers while the tile streams by once.
 template <int kTokens>
-void Tile(const int8_t* digits, int64_t stride, const Quantized* q, const int8_t* tile, int64_t groups,
-          const float* w_scale, int64_t outputs, int64_t o0, int64_t n, float* y) {
+void Tile(const int8_t* digits, int64_t stride, const Quantized* q, const int8_t* tile, const int8_t* prefetch,
+          int64_t groups, const float* w_scale, int64_t outputs, int64_t o0, int64_t n, float* y) {
   constexpr int kRows = 2 * kTokens;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_si512();
   for (int64_t g = 0; g < groups; ++g) {
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(prefetch + 64 * g), _MM_HINT_T0);
     const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g), flip);
     for (int r = 0; r < kRows; ++r) {
       int32_t four;
@@ -119,8 +121,8 @@ void Tile(const int8_t* digits, int64_t stride, const Quantized* q, const int8_t
   }
 }
 
-using TileFn = void (*)(const int8_t*, int64_t, const Quantized*, const int8_t*, int64_t, const float*, int64_t,
-                        int64_t, int64_t, float*);
+using TileFn = void (*)(const int8_t*, int64_t, const Quantized*, const int8_t*, const int8_t*, int64_t,
+                        const float*, int64_t, int64_t, int64_t, float*);
 constexpr TileFn kTiles[kTokensPerPass + 1] = {nullptr,  Tile<1>, Tile<2>, Tile<3>, Tile<4>,
                                                Tile<5>, Tile<6>, Tile<7>, Tile<8>};
 #endif
@@ -183,7 +185,7 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
   };
   const int64_t tile_tokens = std::min(tokens, kTokenTile);
   const int64_t per_item =
-      std::max<int64_t>(kOutputs, kWorkPerItem / (2 * tile_tokens * depth) / kOutputs * kOutputs);
+      std::max<int64_t>(kMinTiles * kOutputs, kWorkPerItem / (2 * tile_tokens * depth) / kOutputs * kOutputs);
   std::vector<Item> items;
   for (int64_t t = 0; t < tokens; t += kTokenTile) {
     for (const Projection& p : projections) {
@@ -197,9 +199,11 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
     const int64_t t_end = std::min(tokens, item.t_begin + kTokenTile);
     for (int64_t o0 = item.o_begin; o0 < item.o_end; o0 += kOutputs) {
       const int8_t* tile = p.w + o0 / kOutputs * tile_bytes;
+      const int8_t* next = o0 + kOutputs < item.o_end ? tile + tile_bytes : nullptr;
       for (int64_t t = item.t_begin; t < t_end; t += kTokensPerPass) {
         kTiles[std::min(kTokensPerPass, t_end - t)](digits.data() + 2 * t * stride, stride, quantized.data() + t,
-                                                    tile, groups, p.w_scale, p.outputs, o0,
+                                                    tile, t == item.t_begin ? next : nullptr, groups, p.w_scale,
+                                                    p.outputs, o0,
                                                     std::min(kOutputs, item.o_end - o0), p.y + t * p.outputs);
       }
     }
