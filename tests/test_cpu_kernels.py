@@ -101,6 +101,18 @@ def test_int8_linear_matches_xla_ops(tokens, outputs, depth):
 
 
 @needs_int8_kernel
+@pytest.mark.parametrize("tokens, depth", [(1, 576), (70, 130)])
+def test_int8_linear_applies_the_norm(tokens, depth):
+    """With an RMSNorm, the kernel projects norm(x) as XLA's ops project rms_norm's output (~1e-6 of a row)."""
+    x, q, scale = int8_case(tokens, 100, depth, seed=4)
+    norm = (jnp.asarray(np.random.default_rng(5).uniform(0.1, 3, depth).astype(np.float32)), 1e-5)
+    [got] = map(np.asarray, jax.jit(lambda x: cpu_kernels.int8_linear(x, [tiled(q, scale)], None, norm))(x))
+    expected = np.asarray(jax.jit(lambda x: quantization.int8_matmul(x, q, scale, norm))(x))
+    assert not got[1::3].any() and np.abs(expected).max() > 0
+    assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
+
+
+@needs_int8_kernel
 def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
     """A token's output is bit for bit the same alone or among others, at any place in passes and tiles."""
     x, q, scale = int8_case(150, 300, 576, seed=1)

@@ -38,6 +38,7 @@ constexpr int64_t kOutputs = 16;      // outputs per tile (one vector of int32 s
 constexpr int64_t kDepth = 4;         // inputs per group of a tile (vpdpbusd's 4 bytes per lane)
 constexpr int64_t kTokenTile = 64;    // tokens per work item: their digits stay in L2 while the weight streams
 constexpr int64_t kTokensPerPass = 8; // tokens (16 digit rows, 16 accumulators) per pass over a tile
+constexpr int64_t kRowsPerItem = 8;   // rows of x per work item of normalizing and quantizing
 // Multiply-adds per work item: a lone decode's smallest projection (192 x 576) still splits in two.
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;
 constexpr int64_t kMinTiles = 8;  // per work item: each tile's loads prefetch the next one's
@@ -54,6 +55,27 @@ struct Quantized {
 constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 float Div(float a, float b) { return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
+
+float Mul(float a, float b) { return _mm_cvtss_f32(_mm_mul_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
+float Add(float a, float b) { return _mm_cvtss_f32(_mm_add_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
+float Sqrt(float a) { return _mm_cvtss_f32(_mm_sqrt_round_ss(_mm_set_ss(a), _mm_set_ss(a), kNearest)); }
+
+// RMSNorm of x[0, depth) into `normed`: norm[k] · (x[k] · rsqrt(mean(x²) + eps)), as norm.py computes it.
+void NormalizeRow(const float* x, int64_t depth, const float* norm, float eps, float* normed) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; k += 16) {
+    const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + k);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const float mean = Div(_mm512_reduce_add_ps(squares), static_cast<float>(depth));
+  const __m512 r = _mm512_set1_ps(Div(1.0f, Sqrt(Add(mean, eps))));
+  for (int64_t k = 0; k < depth; k += 16) {
+    const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+    const __m512 v = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(m, x + k), r, kNearest);
+    _mm512_mask_storeu_ps(normed + k, m, _mm512_mul_round_ps(_mm512_maskz_loadu_ps(m, norm + k), v, kNearest));
+  }
+}
 
 // x[0, depth) as digits (zero padded to `stride`): d = round(x / s) with s = max|x| / 127, twice.
 Quantized QuantizeRow(const float* x, int64_t depth, int8_t* coarse, int8_t* fine, float* residual) {
@@ -135,17 +157,17 @@ struct Projection {
   int64_t outputs;
 };
 
-// y_i = x · w_iᵀ for the projections of one input (q/k/v, gate/up): x is quantized once and the weights
-// stream one after another in a single call. Arguments x, the number of x's leading rows that are real
-// (the rest is a step's padding: its outputs are zeros, computed by nobody), then (tiled w_i, w_scale_i)
-// pairs; one result each.
-ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, ffi::RemainingArgs weights,
-                      ffi::RemainingRets results) {
+// y_i = norm(x) · w_iᵀ for the projections of one input (q/k/v, gate/up): x is normalized and quantized
+// once, and the weights stream one after another in a single call. Arguments x, the number of x's leading
+// rows that are real (the rest is a step's padding: its outputs are zeros, computed by nobody), the RMSNorm
+// weight applied to x first (or none: [0]), then (tiled w_i, w_scale_i) pairs; one result each.
+ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, ffi::Buffer<ffi::F32> norm,
+                      ffi::RemainingArgs weights, ffi::RemainingRets results, float eps) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 2 || real_rows.element_count() != 1 || weights.size() == 0 ||
-      weights.size() != 2 * results.size()) {
-    return ffi::Error::InvalidArgument(
-        "int8 linear: needs x [tokens, in], its real row count [1], then a weight and its scales per result");
+      weights.size() != 2 * results.size() || (norm.element_count() != 0 && norm.element_count() != x_dims[1])) {
+    return ffi::Error::InvalidArgument("int8 linear: needs x [tokens, in], its real row count [1], a norm weight "
+                                       "[in] or [0], then a weight and its scales per result");
   }
   const int64_t rows = x_dims[0], depth = x_dims[1], groups = (depth + kDepth - 1) / kDepth;
   const int64_t tokens = std::clamp<int64_t>(real_rows.typed_data()[0], 0, rows);
@@ -170,12 +192,18 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
   const int64_t stride = (depth + 63) / 64 * 64;  // QuantizeRow writes whole vectors; zeros past depth
   std::vector<int8_t> digits(2 * tokens * stride, 0);
   std::vector<Quantized> quantized(tokens);
-  const int64_t tiles = (tokens + kTokenTile - 1) / kTokenTile;
-  jserve::ParallelFor(tiles, [&](int64_t item) {
-    std::vector<float> residual(depth);
-    for (int64_t t = item * kTokenTile; t < std::min(tokens, (item + 1) * kTokenTile); ++t) {
+  const int64_t row_items = (tokens + kRowsPerItem - 1) / kRowsPerItem;
+  const float* norm_weight = norm.element_count() ? norm.typed_data() : nullptr;
+  jserve::ParallelFor(row_items, [&](int64_t item) {
+    std::vector<float> residual(depth), normed(norm_weight ? depth : 0);
+    for (int64_t t = item * kRowsPerItem; t < std::min(tokens, (item + 1) * kRowsPerItem); ++t) {
+      const float* row_x = x.typed_data() + t * depth;
+      if (norm_weight) {
+        NormalizeRow(row_x, depth, norm_weight, eps, normed.data());
+        row_x = normed.data();
+      }
       int8_t* row = digits.data() + 2 * t * stride;
-      quantized[t] = QuantizeRow(x.typed_data() + t * depth, depth, row, row + stride, residual.data());
+      quantized[t] = QuantizeRow(row_x, depth, row, row + stride, residual.data());
     }
   });
   // Work items: (projection, first output, tile of tokens), each about kWorkPerItem multiply-adds.
@@ -222,5 +250,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveInt8Linear, Int8Linear,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<float>("eps"));

@@ -33,9 +33,11 @@ class Attention(nnx.Module):
         kv: KVPages,
         meta: AttentionMetadata,
         attention: AttentionBackend,
+        norm: RMSNorm | None = None,
     ) -> tuple[jax.Array, KVPages]:
+        """Attention over norm(x), or x (the projections apply the norm: see linear.project)."""
         tokens = x.shape[0]
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj, real_rows=meta.real_tokens)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj, real_rows=meta.real_tokens, norm=norm)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)

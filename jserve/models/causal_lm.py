@@ -16,7 +16,7 @@ from jserve.attention import REFERENCE, AttentionBackend, KVCache, ModelInput
 from jserve.config import ModelConfig
 from jserve.models.decoder import DecoderLayer
 from jserve.models.embedding import Embedding
-from jserve.models.linear import Linear
+from jserve.models.linear import Linear, project
 from jserve.models.norm import RMSNorm
 from jserve.models.rotary import inverse_frequencies, rope_angles
 
@@ -45,8 +45,11 @@ class CausalLM(nnx.Module):
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             x, kv = _run_layer(*nnx.split(layer), x, rope, kv, meta, attention)
             new_cache.append(kv)
-        hidden = self.norm(x[batch.logits_indices])
-        logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        hidden = x[batch.logits_indices]
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(hidden, self.norm)
+        else:
+            logits = project(hidden, self.lm_head, norm=self.norm)[0]
         return logits.astype(jnp.float32), tuple(new_cache)
 
 

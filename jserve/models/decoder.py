@@ -27,6 +27,7 @@ class DecoderLayer(nnx.Module):
         meta: AttentionMetadata,
         attention: AttentionBackend,
     ) -> tuple[jax.Array, KVPages]:
-        attn_out, kv = self.self_attn(self.input_layernorm(x), rope, kv, meta, attention)
+        # The norms go with x into the projections, which apply them (on a CPU, inside the int8 kernel).
+        attn_out, kv = self.self_attn(x, rope, kv, meta, attention, norm=self.input_layernorm)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), meta.real_tokens), kv
+        return x + self.mlp(x, meta.real_tokens, norm=self.post_attention_layernorm), kv

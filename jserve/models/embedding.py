@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve.models.norm import RMSNorm
 from jserve.models.quantization import int8_matmul, rows_of
 
 
@@ -20,8 +21,9 @@ class Embedding(nnx.Module):
         rows = rows_of(self.weight[...], token_ids, self.hidden_size)
         return (rows * jnp.take(self.weight_scale[...], token_ids)[:, None]).astype(self.dtype)
 
-    def attend(self, hidden: jax.Array) -> jax.Array:
-        """Logits against the embedding table (a tied LM head)."""
+    def attend(self, hidden: jax.Array, norm: RMSNorm) -> jax.Array:
+        """Logits of norm(hidden) against the embedding table (a tied LM head)."""
         if self.weight_scale is not None:
-            return int8_matmul(hidden, self.weight[...], self.weight_scale[...])
+            return int8_matmul(hidden, self.weight[...], self.weight_scale[...], norm.params)
+        hidden = norm(hidden)
         return jax.lax.dot_general(hidden, self.weight[...], (((hidden.ndim - 1,), (1,)), ((), ())))

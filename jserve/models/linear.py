@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve.models.norm import RMSNorm
 from jserve.models.quantization import int8_matmuls
 
 
@@ -19,12 +20,16 @@ class Linear(nnx.Module):
         return project(x, self, real_rows=real_rows)[0]
 
 
-def project(x: jax.Array, *linears: Linear, real_rows: jax.Array | None = None) -> list[jax.Array]:
-    """The projections of one input (q/k/v, gate/up). Quantized, they share x's digits: one kernel call on
-    a CPU, one quantization elsewhere. `real_rows` (int32 [1]): x's rows past it are a step's padding,
-    which the CPU kernel skips."""
+def project(
+    x: jax.Array, *linears: Linear, real_rows: jax.Array | None = None, norm: RMSNorm | None = None
+) -> list[jax.Array]:
+    """The projections of one input, norm(x) or x (q/k/v, gate/up). Quantized, they share its digits: one
+    kernel call on a CPU, which applies the norm too, one quantization elsewhere. `real_rows` (int32 [1]):
+    x's rows past it are a step's padding, which the CPU kernel skips."""
     if linears[0].weight_scale is None:
+        x = x if norm is None else norm(x)
         ys = [jax.lax.dot_general(x, p.weight[...], (((x.ndim - 1,), (1,)), ((), ()))) for p in linears]
     else:
-        ys = int8_matmuls(x, [(p.weight[...], p.weight_scale[...]) for p in linears], real_rows)
+        weights = [(p.weight[...], p.weight_scale[...]) for p in linears]
+        ys = int8_matmuls(x, weights, real_rows, None if norm is None else norm.params)
     return [y if p.bias is None else y + p.bias[...] for p, y in zip(linears, ys, strict=True)]

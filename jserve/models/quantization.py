@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jserve import cpu_kernels
+from jserve.models.norm import rms_norm
 
 QUANTIZATIONS = ("none", "int8")
 # On a lone CPU device with AVX-512 VNNI, the C++ kernel runs every int8 projection, quantizing x itself:
@@ -84,23 +85,27 @@ def tiles_weights() -> bool:
 
 
 def int8_matmuls(
-    x: jax.Array, weights: list[tuple[jax.Array, jax.Array]], real_rows: jax.Array | None = None
+    x: jax.Array,
+    weights: list[tuple[jax.Array, jax.Array]],
+    real_rows: jax.Array | None = None,
+    norm: tuple[jax.Array, float] | None = None,
 ) -> list[jax.Array]:
-    """x [..., in] times each int8 weight q (rows [out, in] or tiles) with its scale per output -> [..., out]
-    each, in x's dtype. The projections of one input (q/k/v, gate/up) share its digits: tiles go to the CPU
-    kernel in one call, rows to XLA's ops after one quantization. `real_rows` (int32 [1]): rows of x past
-    it are padding; the CPU kernel skips them (their outputs are zeros), XLA's ops compute them anyway."""
+    """norm(x) [..., in] times each int8 weight q (rows [out, in] or tiles) with its scale per output ->
+    [..., out] each, in x's dtype. The projections of one input (q/k/v, gate/up) share its digits: tiles go
+    to the CPU kernel in one call (which applies the RMSNorm `norm` = (weight, eps) itself), rows to XLA's
+    ops after one quantization. `real_rows` (int32 [1]): rows of x past it are padding; the CPU kernel skips
+    them (their outputs are zeros), XLA's ops compute them anyway."""
     rows = x.reshape(-1, x.shape[-1])
     if is_tiled(weights[0][0]):
-        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights, real_rows)
+        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights, real_rows, norm)
     else:
-        digits = quantize_activations(rows)
+        digits = quantize_activations(rows if norm is None else rms_norm(rows, *norm))
         ys = [_xla_int8_matmul(digits, q, scale) for q, scale in weights]
     return [y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype) for y in ys]
 
 
-def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    return int8_matmuls(x, [(q, scale)])[0]
+def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+    return int8_matmuls(x, [(q, scale)], norm=norm)[0]
 
 
 def _xla_int8_matmul(x: Int8Activations, q: jax.Array, scale: jax.Array) -> jax.Array:
