@@ -55,6 +55,28 @@ inline float Sum(Vec v) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
+constexpr int BitReverse4(int j) { return ((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3); }
+
+// 16 vectors -> one vector of their sums, lane k holding the sum of v[BitReverse4(k)] (a tree of shuffles
+// and adds: a third of the work of 16 separate sums). Callers put key j's vector at BitReverse4(j).
+inline Vec SumEach(const Vec* v) {
+  Vec a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
 inline float Max(Vec v) {
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
@@ -123,19 +145,22 @@ void Attend(const Problem& p, const WorkItem& w) {
         __builtin_prefetch(p.v + offset + f);
       }
     }
-    for (int64_t m = 0; m < rows; ++m) scores[m] = Vec{};
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
-        Vec k[kChunks];
-        const float* k_row = p.k + offsets[j] + kv * p.dim;
-        for (int c = 0; c < kChunks; ++c) k[c] = *reinterpret_cast<const Vec*>(k_row + c * kLanes);
-        for (int64_t i = 0; i < w.count; ++i) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t m = i * heads + kv * group + g;
-            Vec dot = q[m * kChunks] * k[0];
-            for (int c = 1; c < kChunks; ++c) dot += q[m * kChunks + c] * k[c];
-            scores[m][j] = Sum(dot);
+    // Scores: each row's query against the tile's keys, a vector per key summed 16 at a time (SumEach).
+    for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
+      const float* k_rows[kLanes];
+      for (int64_t j = 0; j < n; ++j) k_rows[j] = p.k + offsets[j] + kv * p.dim;
+      for (int64_t i = 0; i < w.count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const Vec* qm = q + (i * heads + kv * group + g) * kChunks;
+          Vec dots[kLanes];
+          for (int j = 0; j < kLanes; ++j) {
+            Vec dot = Vec{};
+            if (j < n) {
+              for (int c = 0; c < kChunks; ++c) dot += qm[c] * *reinterpret_cast<const Vec*>(k_rows[j] + c * kLanes);
+            }
+            dots[BitReverse4(j)] = dot;
           }
+          scores[i * heads + kv * group + g] = SumEach(dots);
         }
       }
     }
@@ -164,17 +189,20 @@ void Attend(const Problem& p, const WorkItem& w) {
         for (int c = 0; c < kChunks; ++c) acc[m * kChunks + c] *= correction;
       }
     }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
-        Vec v[kChunks];
-        const float* v_row = p.v + offsets[j] + kv * p.dim;
-        for (int c = 0; c < kChunks; ++c) v[c] = *reinterpret_cast<const Vec*>(v_row + c * kLanes);
-        for (int64_t i = 0; i < w.count; ++i) {
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t m = i * heads + kv * group + g;
+    // Each row's accumulator stays in registers while the tile's values stream by.
+    for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
+      const float* v_rows[kLanes];
+      for (int64_t j = 0; j < n; ++j) v_rows[j] = p.v + offsets[j] + kv * p.dim;
+      for (int64_t i = 0; i < w.count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t m = i * heads + kv * group + g;
+          Vec a[kChunks];
+          for (int c = 0; c < kChunks; ++c) a[c] = acc[m * kChunks + c];
+          for (int64_t j = 0; j < n; ++j) {
             const float pj = scores[m][j];
-            for (int c = 0; c < kChunks; ++c) acc[m * kChunks + c] += pj * v[c];
+            for (int c = 0; c < kChunks; ++c) a[c] += pj * *reinterpret_cast<const Vec*>(v_rows[j] + c * kLanes);
           }
+          for (int c = 0; c < kChunks; ++c) acc[m * kChunks + c] = a[c];
         }
       }
     }
