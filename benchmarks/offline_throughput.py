@@ -25,7 +25,7 @@ import numpy as np
 
 from jserve import LLM, SamplingParams
 from jserve.attention import ATTENTION_BACKENDS
-from jserve.engine.args import DTYPES
+from jserve.engine.args import DTYPES, KV_CACHE_DTYPES
 from jserve.loader.default_model import default_model_path
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.models import quantization
@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 elsewhere")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, nargs=2, default=(112, 144), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(128, 128), metavar=("MIN", "MAX"))
@@ -211,7 +212,8 @@ def main() -> None:
         try:
             llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                      attention_backend=attention_backend, quantization=args.quantization)  # fmt: skip
+                      attention_backend=attention_backend, quantization=args.quantization,
+                      kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
         finally:
             quantization.CPU_KERNEL = default
         print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "

@@ -36,6 +36,7 @@ class LLM:
         attention_backend: str = "auto",
         quantization: str = "none",
         async_scheduling: bool = True,
+        kv_cache_dtype: str = "auto",
     ):
         self.engine = EngineArgs(
             model=model,
@@ -52,6 +53,7 @@ class LLM:
             attention_backend=attention_backend,
             quantization=quantization,
             async_scheduling=async_scheduling,
+            kv_cache_dtype=kv_cache_dtype,
         ).create_engine()
         self.tokenizer = self.engine.tokenizer
 

@@ -1,12 +1,16 @@
 """jserve's C++ CPU kernels (XLA FFI): paged attention against the reference on ragged batches, the int8
 projection against XLA's ops, and the library built once."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jserve import cpu_kernels
+from jserve.attention import KVPages
+from jserve.attention.reference import write_kv
 from jserve.models import quantization
 
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
@@ -33,6 +37,33 @@ def test_kernel_matches_reference(name):
     kernel = jax.jit(cpu_kernels.ragged_paged_attention, static_argnames=("scale", "sliding_window", "soft_cap"))
     out = kernel(*case.kernel_args(), scale=case.scale, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     assert_matches_reference(out, case, "float32")
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+def test_bfloat16_pages(batch):
+    """bfloat16 pages (--kv-cache-dtype bfloat16) are read as the floats they hold, as the reference reads them."""
+    case = make_case(BATCHES[batch], heads=9, kv_heads=3)
+    pages = {name: getattr(case, name).astype(jnp.bfloat16) for name in ("k_pages", "v_pages")}
+    case = dataclasses.replace(case, **pages)
+    out = cpu_kernels.ragged_paged_attention(*case.kernel_args(), scale=case.scale)
+    assert out.dtype == jnp.float32
+    assert_matches_reference(out, case, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_kv_matches_xla_scatter(dtype):
+    """The C++ K/V write puts the rows where XLA's scatter does, rounded as XLA converts (inf, NaN, ties
+    included), skips padding slots (< 0) and leaves every other slot alone."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((12, 3, 64)).astype(np.float32)
+    rows[0, 0, :4] = [np.inf, -np.inf, np.nan, 1 + 2**-8]  # 1 + 2^-8 is a bfloat16 tie
+    slots = jnp.asarray([5, 70, -1, 0, 127, 33, -1, 64, 9, 100, 101, 2], jnp.int32)
+    pages = KVPages(*(jnp.asarray(rng.standard_normal((8, 16, 3, 64)), dtype) for _ in range(2)))
+    expected = write_kv(pages, jnp.asarray(rows), jnp.asarray(rows * 2), slots)
+    written = jax.jit(cpu_kernels.write_kv)(pages.k, pages.v, jnp.asarray(rows), jnp.asarray(rows * 2), slots)
+    for got, want in zip(written, (expected.k, expected.v), strict=True):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
 
 def test_lone_decode_step():

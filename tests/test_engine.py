@@ -2,6 +2,7 @@
 
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -225,6 +226,25 @@ def test_stream_closed_early_frees_its_pages(llm):
     next(stream)
     stream.close()
     llm.engine.step()  # the abort hands the pages back on the next step
+
+
+def test_bfloat16_kv_cache(tiny_llama_checkpoint, llm):
+    """--kv-cache-dtype bfloat16 holds K/V in bfloat16, twice the pages in the same memory; the CPU kernel and
+    the plain-JAX reference read them alike, and the first token's logprobs stay near the float32 cache's."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    batch = prompts(4, seed=7)
+    outputs = {}
+    for backend in ("cpu", "reference"):
+        half = tiny_llm(tiny_llama_checkpoint[0], kv_cache_dtype="bfloat16", attention_backend=backend)
+        assert half.engine.runner.kv_cache[0].k.dtype == jnp.bfloat16
+        assert half.engine.config.num_pages == 2 * llm.engine.config.num_pages
+        outputs[backend] = half.generate(batch, params, use_tqdm=False)
+        assert_engine_idle(half)
+    assert token_ids(outputs["cpu"]) == token_ids(outputs["reference"])
+    for full, half in zip(llm.generate(batch, params, use_tqdm=False), outputs["cpu"], strict=True):
+        first, first_half = full.outputs[0].logprobs[0], half.outputs[0].logprobs[0]
+        for token in first.keys() & first_half.keys():
+            assert abs(first[token].logprob - first_half[token].logprob) < 0.05
 
 
 def test_logprobs(llm):

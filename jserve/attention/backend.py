@@ -12,7 +12,9 @@ Backends:
   pallas      the kernels of `pallas_kernels`: the Triton-lowered kernel on GPUs, the Mosaic kernel on
               TPUs; on CPU the GPU kernel in Pallas interpret mode (slow: for tests).
   auto        pallas on GPU and TPU; on CPU the cpu kernel, or the reference where it cannot be built.
-The K/V write stays an XLA scatter for every backend: with the cache donated it updates in place.
+The K/V write is an XLA scatter, in place with the cache donated; on a CPU with jserve's kernels it is
+`cpu_kernels.write_kv` instead, for every backend (XLA:CPU scatters into bfloat16 pages by converting the
+whole cache to float32 and back).
 """
 
 from __future__ import annotations
@@ -68,7 +70,10 @@ class AttentionBackend:
 # arguments' shapes are the same): start-up tracing was mostly this, 30 times over. XLA inlines it again.
 @partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
 def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
-    pages = write_kv(pages, k, v, meta.slot_mapping)
+    if jax.default_backend() == "cpu" and cpu_kernels.available():
+        pages = KVPages(*cpu_kernels.write_kv(pages.k, pages.v, k, v, meta.slot_mapping))
+    else:
+        pages = write_kv(pages, k, v, meta.slot_mapping)
     kernel = backend.kernel
     if kernel == "cpu" and not cpu_kernels.supports(pages.k.dtype, pages.k.shape[-1]):
         kernel = "reference"

@@ -1,7 +1,8 @@
 """jserve's CPU kernels: C++ behind XLA's FFI, built on first use with the system compiler.
 
 paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_linear.cc the
-projections of --quantization int8 (with AVX-512 VNNI); zero_pages.cc allocates the KV cache. The sources
+projections of --quantization int8 (with AVX-512 VNNI); zero_pages.cc allocates the KV cache and
+write_kv.cc writes into it. The sources
 are compiled together, once per machine, source, compiler and jaxlib, with -march=native, into
 $JSERVE_CACHE/kernels/, and registered as XLA custom calls. Without a C++ compiler `available()` is False
 and the CPU runs the plain-JAX attention and XLA's int8 dot instead.
@@ -35,6 +36,7 @@ TARGETS = {  # XLA name: exported symbol
     "jserve_ragged_paged_attention": "JserveRaggedPagedAttention",
     "jserve_int8_linear": "JserveInt8Linear",
     "jserve_zero_pages": "JserveZeroPages",
+    "jserve_write_kv": "JserveWriteKv",
 }
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (AttendItem)
@@ -107,8 +109,8 @@ def available() -> bool:
 
 
 def supports(dtype, head_dim: int) -> bool:
-    """Whether the kernel takes these pages; others go to the reference."""
-    return dtype == jnp.float32 and head_dim in SUPPORTED_HEAD_DIMS
+    """Whether the kernel takes these pages (float32 or bfloat16); others go to the reference."""
+    return dtype in (jnp.float32, jnp.bfloat16) and head_dim in SUPPORTED_HEAD_DIMS
 
 
 def ragged_paged_attention(
@@ -164,6 +166,17 @@ def int8_linear(
     operands = (x, real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32),
                 *(a for pair in weights for a in pair))  # fmt: skip
     return list(jax.ffi.ffi_call("jserve_int8_linear", shapes)(*operands, eps=np.float32(eps)))
+
+
+def write_kv(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The rows k, v [T, kv_heads, dim] written into slots [T] (< 0: skipped) of float32 or bfloat16 pages,
+    in place: the pages are the results' buffers."""
+    load()
+    shapes = tuple(jax.ShapeDtypeStruct(pages.shape, pages.dtype) for pages in (k_pages, v_pages))
+    call = jax.ffi.ffi_call("jserve_write_kv", shapes, input_output_aliases={0: 0, 1: 1})
+    return call(k_pages, v_pages, k.astype(jnp.float32), v.astype(jnp.float32), slots.astype(jnp.int32))
 
 
 def zeros(shape: tuple[int, ...], dtype, count: int) -> list[jax.Array]:

@@ -3,7 +3,8 @@
 // XLA:CPU has no fused gather-matmul, so the plain-JAX reference copies every K/V block it gathers and then
 // reads it again. Here each key is read once, straight from its page. A work item is a block of up to
 // kQueryBlock query tokens of one sequence, with all their heads, so every page is read whole and in order;
-// it walks its causal key range a tile of kLanes keys at a time with an online softmax. Items are spread
+// it walks its causal key range a tile of kLanes keys at a time with an online softmax. Pages are float32
+// or bfloat16 (--kv-cache-dtype bfloat16: half the bytes to read; the math stays float32). Items are spread
 // over the kernels' worker threads (parallel.h). Measured against the reference: docs/benchmarks.md.
 
 #include <algorithm>
@@ -24,8 +25,8 @@ constexpr float kMaskValue = -1e30f;
 
 struct Problem {
   const float* q;  // [tokens, heads, dim]
-  const float* k;  // [pages, page_size, kv_heads, dim]
-  const float* v;
+  const void* k;   // [pages, page_size, kv_heads, dim], float32 or bfloat16
+  const void* v;
   const int32_t* context_lens;     // [seqs]
   const int32_t* page_tables;      // [seqs, max_pages]
   const int32_t* query_start_loc;  // [seqs + 1]
@@ -45,6 +46,13 @@ constexpr int kLanes = 16;
 typedef float Vec __attribute__((vector_size(4 * kLanes), aligned(4)));  // aligned(4): unaligned loads are fine
 typedef int32_t IVec __attribute__((vector_size(4 * kLanes), aligned(4)));
 constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// One head_dim chunk of a K/V row as floats: float32 pages as they are; bfloat16 is a float32's high half.
+inline Vec LoadRow(const float* row) { return *reinterpret_cast<const Vec*>(row); }
+inline Vec LoadRow(const uint16_t* row) {
+  typedef uint16_t Halves __attribute__((vector_size(2 * kLanes), aligned(2)));
+  return (Vec)(__builtin_convertvector(*reinterpret_cast<const Halves*>(row), IVec) << 16);
+}
 
 inline float Sum(Vec v) {
   typedef float Half __attribute__((vector_size(32)));
@@ -104,13 +112,15 @@ inline Vec Exp(Vec x) {
 
 // One item: rows m = (token i, query head h), m = i * heads + h, each a head_dim vector of kChunks * kLanes.
 // An item covers every head, so each page is read whole and in order (all KV heads of a slot are adjacent).
-template <int kChunks>
+template <int kChunks, typename Page>
 void Attend(const Problem& p, const WorkItem& w) {
+  const Page* k_pages = static_cast<const Page*>(p.k);
+  const Page* v_pages = static_cast<const Page*>(p.v);
   const int64_t heads = p.heads, group = heads / p.kv_heads, rows = w.count * heads;
   const int64_t seq_end = p.query_start_loc[w.seq + 1];
   const int64_t context = p.context_lens[w.seq];
   const int32_t* table = p.page_tables + w.seq * p.max_pages;
-  const int64_t slot_floats = p.kv_heads * p.dim;  // one slot: every KV head's row
+  const int64_t slot_size = p.kv_heads * p.dim;  // one slot: every KV head's row
 
   thread_local std::vector<Vec> buffer;
   buffer.assign(rows * (2 * kChunks + 1), Vec{});
@@ -130,7 +140,7 @@ void Attend(const Problem& p, const WorkItem& w) {
   const int64_t first_position = context - (seq_end - w.first), last = first_position + w.count - 1;
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_position - p.window + 1) : 0;
   auto slot_offset = [&](int64_t key) {
-    return (int64_t(table[key / p.page_size]) * p.page_size + key % p.page_size) * slot_floats;
+    return (int64_t(table[key / p.page_size]) * p.page_size + key % p.page_size) * slot_size;
   };
 
   int64_t offsets[kLanes];
@@ -140,15 +150,15 @@ void Attend(const Problem& p, const WorkItem& w) {
     // The next tile is on another page, which no hardware prefetcher can guess: ask for it now.
     for (int64_t key = start + kLanes; key < std::min<int64_t>(start + 2 * kLanes, last + 1); ++key) {
       const int64_t offset = slot_offset(key);
-      for (int64_t f = 0; f < slot_floats; f += 16) {
-        __builtin_prefetch(p.k + offset + f);
-        __builtin_prefetch(p.v + offset + f);
+      for (int64_t f = 0; f < slot_size; f += 64 / sizeof(Page)) {
+        __builtin_prefetch(k_pages + offset + f);
+        __builtin_prefetch(v_pages + offset + f);
       }
     }
     // Scores: each row's query against the tile's keys, a vector per key summed 16 at a time (SumEach).
     for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
-      const float* k_rows[kLanes];
-      for (int64_t j = 0; j < n; ++j) k_rows[j] = p.k + offsets[j] + kv * p.dim;
+      const Page* k_rows[kLanes];
+      for (int64_t j = 0; j < n; ++j) k_rows[j] = k_pages + offsets[j] + kv * p.dim;
       for (int64_t i = 0; i < w.count; ++i) {
         for (int64_t g = 0; g < group; ++g) {
           const Vec* qm = q + (i * heads + kv * group + g) * kChunks;
@@ -156,7 +166,7 @@ void Attend(const Problem& p, const WorkItem& w) {
           for (int j = 0; j < kLanes; ++j) {
             Vec dot = Vec{};
             if (j < n) {
-              for (int c = 0; c < kChunks; ++c) dot += qm[c] * *reinterpret_cast<const Vec*>(k_rows[j] + c * kLanes);
+              for (int c = 0; c < kChunks; ++c) dot += qm[c] * LoadRow(k_rows[j] + c * kLanes);
             }
             dots[BitReverse4(j)] = dot;
           }
@@ -191,8 +201,8 @@ void Attend(const Problem& p, const WorkItem& w) {
     }
     // Each row's accumulator stays in registers while the tile's values stream by.
     for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
-      const float* v_rows[kLanes];
-      for (int64_t j = 0; j < n; ++j) v_rows[j] = p.v + offsets[j] + kv * p.dim;
+      const Page* v_rows[kLanes];
+      for (int64_t j = 0; j < n; ++j) v_rows[j] = v_pages + offsets[j] + kv * p.dim;
       for (int64_t i = 0; i < w.count; ++i) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t m = i * heads + kv * group + g;
@@ -200,7 +210,7 @@ void Attend(const Problem& p, const WorkItem& w) {
           for (int c = 0; c < kChunks; ++c) a[c] = acc[m * kChunks + c];
           for (int64_t j = 0; j < n; ++j) {
             const float pj = scores[m][j];
-            for (int c = 0; c < kChunks; ++c) a[c] += pj * *reinterpret_cast<const Vec*>(v_rows[j] + c * kLanes);
+            for (int c = 0; c < kChunks; ++c) a[c] += pj * LoadRow(v_rows[j] + c * kLanes);
           }
           for (int c = 0; c < kChunks; ++c) acc[m * kChunks + c] = a[c];
         }
@@ -219,20 +229,21 @@ bool Supported(int64_t dim) {
   return dim % kLanes == 0 && (dim == 32 || dim == 64 || dim == 80 || dim == 96 || dim == 128 || dim == 256);
 }
 
+template <typename Page>
 void AttendItem(const Problem& p, const WorkItem& w) {
   switch (p.dim / kLanes) {
-    case 2: return Attend<2>(p, w);
-    case 4: return Attend<4>(p, w);
-    case 5: return Attend<5>(p, w);
-    case 6: return Attend<6>(p, w);
-    case 8: return Attend<8>(p, w);
-    case 16: return Attend<16>(p, w);
+    case 2: return Attend<2, Page>(p, w);
+    case 4: return Attend<4, Page>(p, w);
+    case 5: return Attend<5, Page>(p, w);
+    case 6: return Attend<6, Page>(p, w);
+    case 8: return Attend<8, Page>(p, w);
+    case 16: return Attend<16, Page>(p, w);
   }
 }
 
-ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                                ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> context_lens,
-                                ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> query_start_loc,
+ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                ffi::Buffer<ffi::S32> context_lens, ffi::Buffer<ffi::S32> page_tables,
+                                ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
                                 float soft_cap) {
   const auto q_dims = q.dimensions(), kv_dims = k_pages.dimensions(), table_dims = page_tables.dimensions();
@@ -240,11 +251,15 @@ ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
     return ffi::Error::InvalidArgument("paged attention: q must be 3-D, pages 4-D, page tables 2-D");
   }
   const int64_t tokens = q_dims[0], heads = q_dims[1], dim = q_dims[2], seqs = table_dims[0];
+  const ffi::DataType page_type = k_pages.element_type();
+  if (v_pages.element_type() != page_type || (page_type != ffi::F32 && page_type != ffi::BF16)) {
+    return ffi::Error::InvalidArgument("paged attention: K and V pages must both be float32 or both bfloat16");
+  }
   if (kv_dims[3] != dim || heads % kv_dims[2] != 0) {
     return ffi::Error::InvalidArgument("paged attention: head_dim or GQA group does not match the pages");
   }
   if (!Supported(dim)) return ffi::Error::InvalidArgument("paged attention: no build for this head_dim");
-  Problem p{q.typed_data(), k_pages.typed_data(), v_pages.typed_data(), context_lens.typed_data(),
+  Problem p{q.typed_data(), k_pages.untyped_data(), v_pages.untyped_data(), context_lens.typed_data(),
             page_tables.typed_data(), query_start_loc.typed_data(), out->typed_data(), heads, kv_dims[2], dim,
             kv_dims[1], table_dims[1], scale, sliding_window, soft_cap};
 
@@ -259,7 +274,8 @@ ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.count > b.count; });
   const int64_t real = std::clamp<int64_t>(p.query_start_loc[seqs], 0, tokens);
   std::memset(p.out + real * heads * dim, 0, (tokens - real) * heads * dim * sizeof(float));  // padding -> 0
-  jserve::ParallelFor(items.size(), [&](int64_t i) { AttendItem(p, items[i]); });
+  const auto attend = page_type == ffi::F32 ? AttendItem<float> : AttendItem<uint16_t>;
+  jserve::ParallelFor(items.size(), [&](int64_t i) { attend(p, items[i]); });
   return ffi::Error::Success();
 }
 
@@ -268,8 +284,8 @@ ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveRaggedPagedAttention, RaggedPagedAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -22,6 +22,7 @@ from jserve.paths import cache_dir
 log = logging.getLogger("jserve")
 
 DTYPES = ["auto", "float32", "bfloat16"]
+KV_CACHE_DTYPES = ["auto", "float32", "bfloat16"]
 
 
 def enable_compilation_cache() -> None:
@@ -46,6 +47,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # "reference" (plain JAX), "cpu" (C++) or "pallas"; auto picks per platform
     quantization: str = "none"  # "int8": int8 weights and activations in every projection
     async_scheduling: bool = True  # the host prepares step N+1 while the device runs step N
+    kv_cache_dtype: str = "auto"  # the model's dtype; "bfloat16": half the KV bytes, K/V rounded to bfloat16
 
     def create_engine(self) -> LLMEngine:
         start = time.perf_counter()
@@ -66,6 +68,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             tensor_parallel_size=self.tensor_parallel_size,
             async_scheduling=self.async_scheduling,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         # Hosts may differ in free memory; they must not differ in KV shapes.
         config = replace(config, num_pages=agree_on_min(config.num_pages))
@@ -99,6 +102,9 @@ class EngineArgs:
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                             help="int8: int8 weights (per channel) times int8 activations (per token); "
                             "4x fewer weight bytes and several times faster matmuls on CPU")  # fmt: skip
+        parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                            help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (more sequences "
+                            "fit, attention reads less) and rounds K/V to bfloat16")  # fmt: skip
         parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                             help="schedule and prepare step N+1 while the device runs step N; outputs are "
                             "identical either way")  # fmt: skip

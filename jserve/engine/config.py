@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from jserve.attention import kv_cache_bytes_per_token
 from jserve.config import ModelConfig
@@ -35,6 +36,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     attention_backend: str = "auto"  # resolved (and checked) by jserve.attention.resolve_attention_backend
     async_scheduling: bool = True  # prepare step N+1 while the device runs step N (identical outputs)
+    kv_cache_dtype: str = "float32"  # the pages' dtype: the model's, or bfloat16 for half the bytes
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -81,6 +83,7 @@ def resolve_engine_config(
     attention_backend: str = "auto",
     tensor_parallel_size: int = 1,
     async_scheduling: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> EngineConfig:
     """`model` is the config as built (KV heads replicated for tensor parallelism); kv_cache_memory is
     per device, and each device holds 1/tensor_parallel_size of every page."""
@@ -94,7 +97,8 @@ def resolve_engine_config(
                         ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    page_bytes = page_size * kv_cache_bytes_per_token(model, dtype) // tensor_parallel_size
+    kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype == "auto" else kv_cache_dtype).name
+    page_bytes = page_size * kv_cache_bytes_per_token(model, kv_cache_dtype) // tensor_parallel_size
     memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory()
     num_pages = memory // page_bytes
     if kv_cache_memory is None:  # never more than every sequence slot at full length could use
@@ -107,4 +111,5 @@ def resolve_engine_config(
     if schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
     return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, int(num_pages), seed,
-                        enable_prefix_caching, schedule_policy, attention_backend, async_scheduling)  # fmt: skip
+                        enable_prefix_caching, schedule_policy, attention_backend, async_scheduling,
+                        kv_cache_dtype)  # fmt: skip

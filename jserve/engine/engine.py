@@ -74,8 +74,8 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
         self._busy = False  # requests were unfinished after the last step: the next one is back to back
         log.info(
-            "KV cache: %d pages = %d tokens; max concurrency at max_model_len %d: %.1f",
-            config.num_pages, config.num_pages * config.page_size, config.max_model_len,
+            "KV cache: %d pages = %d tokens of %s; max concurrency at max_model_len %d: %.1f",
+            config.num_pages, config.num_pages * config.page_size, config.kv_cache_dtype, config.max_model_len,
             config.num_pages * config.page_size / config.max_model_len,
         )  # fmt: skip
         log.info("Prefix caching %s; schedule policy %s; async scheduling %s",

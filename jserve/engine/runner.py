@@ -40,7 +40,9 @@ class ModelRunner:
         # shardings are made once here, so every step sees the same ones (no recompiles).
         kv_sharding = NamedSharding(mesh, kv_cache_spec()) if mesh else None
         self.input_sharding = NamedSharding(mesh, PartitionSpec()) if mesh else None
-        self.kv_cache = allocate_kv_cache(model.config, config.num_pages, config.page_size, model.dtype, kv_sharding)
+        self.kv_cache = allocate_kv_cache(
+            model.config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
+        )
         self.penalty_state = jax.device_put(
             init_penalty_state(config.max_num_seqs, model.config.vocab_size), self.input_sharding
         )
