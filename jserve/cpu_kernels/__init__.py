@@ -2,10 +2,9 @@
 
 paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_linear.cc the
 projections of --quantization int8 (with AVX-512 VNNI); zero_pages.cc allocates the KV cache and
-write_kv.cc writes into it. The sources
-are compiled together, once per machine, source, compiler and jaxlib, with -march=native, into
-$JSERVE_CACHE/kernels/, and registered as XLA custom calls. Without a C++ compiler `available()` is False
-and the CPU runs the plain-JAX attention and XLA's int8 dot instead.
+write_kv.cc writes into it. The sources are compiled together, once per machine, source, compiler and
+jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and registered as XLA custom calls. Without a
+C++ compiler `available()` is False and the CPU runs the plain-JAX attention and XLA's int8 dot instead.
 """
 
 from __future__ import annotations

@@ -56,7 +56,6 @@ constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 float Div(float a, float b) { return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
 
-float Mul(float a, float b) { return _mm_cvtss_f32(_mm_mul_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
 float Add(float a, float b) { return _mm_cvtss_f32(_mm_add_round_ss(_mm_set_ss(a), _mm_set_ss(b), kNearest)); }
 float Sqrt(float a) { return _mm_cvtss_f32(_mm_sqrt_round_ss(_mm_set_ss(a), _mm_set_ss(a), kNearest)); }
 
