@@ -11,7 +11,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -50,8 +55,21 @@ constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 // One head_dim chunk of a K/V row as floats: float32 pages as they are; bfloat16 is a float32's high half.
 inline Vec LoadRow(const float* row) { return *reinterpret_cast<const Vec*>(row); }
 inline Vec LoadRow(const uint16_t* row) {
+#if defined(__AVX512F__)
+  // GCC splits the generic conversion below into four 128-bit pieces; this is one widening load and a shift.
+  return (Vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))), 16);
+#else
   typedef uint16_t Halves __attribute__((vector_size(2 * kLanes), aligned(2)));
   return (Vec)(__builtin_convertvector(*reinterpret_cast<const Halves*>(row), IVec) << 16);
+#endif
+}
+
+// A key's slot (every KV head's row) as float32: float32 pages in place; bfloat16 ones widened into `wide`
+// once per tile, so each row then feeds its whole GQA group of heads without being converted again.
+inline const float* Widened(const float* slot, int64_t, float*) { return slot; }
+inline const float* Widened(const uint16_t* slot, int64_t slot_size, float* wide) {
+  for (int64_t i = 0; i < slot_size; i += kLanes) *reinterpret_cast<Vec*>(wide + i) = LoadRow(slot + i);
+  return wide;
 }
 
 inline float Sum(Vec v) {
@@ -127,8 +145,9 @@ void Attend(const Problem& p, const WorkItem& w) {
   Vec* q = buffer.data();              // [rows][kChunks], scaled
   Vec* acc = q + rows * kChunks;       // [rows][kChunks]
   Vec* scores = acc + rows * kChunks;  // [rows]: the tile's scores, then probabilities
-  thread_local std::vector<float> stats;
+  thread_local std::vector<float> stats, wide;
   stats.assign(2 * rows, 0.0f);
+  if (!std::is_same_v<Page, float>) wide.resize(2 * kLanes * slot_size);
   float* running_max = stats.data();
   float* denom = running_max + rows;
   for (int64_t m = 0; m < rows; ++m) running_max[m] = kMaskValue;
@@ -143,10 +162,10 @@ void Attend(const Problem& p, const WorkItem& w) {
     return (int64_t(table[key / p.page_size]) * p.page_size + key % p.page_size) * slot_size;
   };
 
-  int64_t offsets[kLanes];
+  const float* k_slots[kLanes];
+  const float* v_slots[kLanes];
   for (int64_t start = lo - lo % kLanes; start <= last; start += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, last + 1 - start);
-    for (int64_t j = 0; j < n; ++j) offsets[j] = slot_offset(start + j);
     // The next tile is on another page, which no hardware prefetcher can guess: ask for it now.
     for (int64_t key = start + kLanes; key < std::min<int64_t>(start + 2 * kLanes, last + 1); ++key) {
       const int64_t offset = slot_offset(key);
@@ -155,19 +174,26 @@ void Attend(const Problem& p, const WorkItem& w) {
         __builtin_prefetch(v_pages + offset + f);
       }
     }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t offset = slot_offset(start + j);
+      k_slots[j] = Widened(k_pages + offset, slot_size, wide.data() + j * slot_size);
+      v_slots[j] = Widened(v_pages + offset, slot_size, wide.data() + (kLanes + j) * slot_size);
+    }
+    for (int64_t j = n; j < kLanes; ++j) k_slots[j] = k_slots[0];  // past the context: scored, then masked
     // Scores: each row's query against the tile's keys, a vector per key summed 16 at a time (SumEach).
     for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
-      const Page* k_rows[kLanes];
-      for (int64_t j = 0; j < n; ++j) k_rows[j] = k_pages + offsets[j] + kv * p.dim;
+      const float* k_rows[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) k_rows[j] = k_slots[j] + kv * p.dim;
       for (int64_t i = 0; i < w.count; ++i) {
         for (int64_t g = 0; g < group; ++g) {
           const Vec* qm = q + (i * heads + kv * group + g) * kChunks;
+          Vec qv[kChunks];
+          for (int c = 0; c < kChunks; ++c) qv[c] = qm[c];
           Vec dots[kLanes];
+#pragma GCC unroll 16
           for (int j = 0; j < kLanes; ++j) {
-            Vec dot = Vec{};
-            if (j < n) {
-              for (int c = 0; c < kChunks; ++c) dot += qm[c] * LoadRow(k_rows[j] + c * kLanes);
-            }
+            Vec dot = qv[0] * LoadRow(k_rows[j]);
+            for (int c = 1; c < kChunks; ++c) dot += qv[c] * LoadRow(k_rows[j] + c * kLanes);
             dots[BitReverse4(j)] = dot;
           }
           scores[i * heads + kv * group + g] = SumEach(dots);
@@ -201,8 +227,8 @@ void Attend(const Problem& p, const WorkItem& w) {
     }
     // Each row's accumulator stays in registers while the tile's values stream by.
     for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
-      const Page* v_rows[kLanes];
-      for (int64_t j = 0; j < n; ++j) v_rows[j] = v_pages + offsets[j] + kv * p.dim;
+      const float* v_rows[kLanes];
+      for (int64_t j = 0; j < n; ++j) v_rows[j] = v_slots[j] + kv * p.dim;
       for (int64_t i = 0; i < w.count; ++i) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t m = i * heads + kv * group + g;
