@@ -205,6 +205,7 @@ def main() -> None:
     if args.random_weights and args.baseline:
         parser.error("--baseline needs a real checkpoint, not --random-weights")
     model = f"random:{args.random_weights}" if args.random_weights else args.model
+
     def engine(attention_backend: str, int8_kernel: bool = True) -> LLM:
         start = time.perf_counter()
         default, quantization.CPU_KERNEL = quantization.CPU_KERNEL, int8_kernel

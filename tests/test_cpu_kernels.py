@@ -104,12 +104,13 @@ def tiled(q, scale):
 
 
 def test_tiles_hold_the_rows():
-    """tile() pads to whole tiles and rows_of() reads any rows back from them (the embedding lookup)."""
+    """tile() pads to whole tiles (inputs to w8a8's groups of 32) and rows_of() reads any rows back from them
+    (the embedding lookup)."""
     q = np.random.default_rng(0).integers(-127, 128, (37, 10), dtype=np.int8)
     tiles = np.asarray(quantization.tile(q))
-    assert tiles.shape == (3, 3, 16, 4) and tiles.dtype == np.int8
+    assert tiles.shape == (3, 8, 16, 4) and tiles.dtype == np.int8
     assert tiles[2, 2, 4, 0] == q[36, 8] and tiles[1, 0, 3, 2] == q[19, 2]
-    assert not tiles[2, :, 5:].any() and not tiles[:, 2, :, 2:].any()  # zero padding
+    assert not tiles[2, :, 5:].any() and not tiles[:, 2, :, 2:].any() and not tiles[:, 3:].any()  # zero padding
     ids = jnp.array([0, 36, 15, 16, 5, 5])
     np.testing.assert_array_equal(np.asarray(quantization.rows_of(jnp.asarray(tiles), ids, 10)), q[np.asarray(ids)])
     np.testing.assert_array_equal(np.asarray(quantization.rows_of(jnp.asarray(q), ids, 10)), q[np.asarray(ids)])
@@ -132,6 +133,39 @@ def test_int8_linear_matches_xla_ops(tokens, outputs, depth):
 
 
 @needs_int8_kernel
+@pytest.mark.parametrize("tokens, outputs, depth", [(1, 576, 576), (2, 49152, 576), (3, 576, 1536), (1, 7, 3),
+                                                    (5, 33, 100), (13, 70, 130), (64, 1536, 576),
+                                                    (130, 50, 200)])  # fmt: skip
+def test_w8a8_linear_matches_xla_ops(tokens, outputs, depth):
+    """w8a8 (one digit per 32 inputs): the kernel's exact int32 sums per group, scaled and summed in float,
+    against XLA's float matmul of the same rounded activations (~1e-6 of the row)."""
+    x, q, scale = int8_case(tokens, outputs, depth, seed=6)
+    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, [(q, scale)], group=quantization.GROUP)[0])
+    got = np.asarray(linear(x, *tiled(q, scale)))
+    expected = np.asarray(jax.jit(quantization.int8_matmul, static_argnums=4)(x, q, scale, None, quantization.GROUP))
+    assert got.dtype == np.float32 and not got[1::3].any()
+    assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
+
+
+def test_w8a8_rounds_each_group_of_32_on_its_own():
+    """quantize_groups: every run of 32 inputs gets its own scale (max |x| / 127), so a large value in one
+    group leaves the others' precision alone; a ragged last group and all-zero groups are fine; the same
+    digits whether XLA's program divides or not (it rounds x · 127 / max, a product)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((3, 70)).astype(np.float32)
+    x[0, 5] = 1000.0
+    x[1, 32:64] = 0
+    got = np.asarray(quantization.quantize_groups(jnp.asarray(x), 32))
+    for row, values in zip(got, x, strict=True):
+        for start in (0, 32, 64):
+            group, exact = row[start : start + 32], values[start : start + 32]
+            step = np.abs(exact).max() / 127
+            assert (np.abs(group - exact) <= step / 2 * (1 + 1e-5) + 1e-12).all()
+    assert not got[1, 32:64].any()
+    assert np.abs(got[0, 32:] - x[0, 32:]).max() < 0.05  # untouched by row 0's outlier in the first group
+
+
+@needs_int8_kernel
 @pytest.mark.parametrize("tokens, depth", [(1, 576), (70, 130)])
 def test_int8_linear_applies_the_norm(tokens, depth):
     """With an RMSNorm, the kernel projects norm(x) as XLA's ops project rms_norm's output (~1e-6 of a row)."""
@@ -144,10 +178,11 @@ def test_int8_linear_applies_the_norm(tokens, depth):
 
 
 @needs_int8_kernel
-def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step():
+@pytest.mark.parametrize("group", [0, 32])
+def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step(group):
     """A token's output is bit for bit the same alone or among others, at any place in passes and tiles."""
     x, q, scale = int8_case(150, 300, 576, seed=1)
-    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, [(q, scale)])[0])
+    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, [(q, scale)], group=group)[0])
     q, scale = tiled(q, scale)
     together = np.asarray(linear(x, q, scale))
     for row in (0, 3, 63, 64, 149):

@@ -152,11 +152,13 @@ def int8_linear(
     weights: Sequence[tuple[jax.Array, jax.Array]],
     real_rows: jax.Array | None = None,
     norm: tuple[jax.Array, float] | None = None,
+    group: int = 0,
 ) -> list[jax.Array]:
     """x [tokens, in] float32 times each int8 weight, in quantization.tile's tiles, with its float32 scale
     per output -> [tokens, out] float32 each: the projections of one input in one call, x quantized once.
     `real_rows` (int32 [1]): only x's first rows are real; the other rows' outputs are zeros, and cost
-    nothing. `norm` (weight [in], eps): x goes through that RMSNorm first (norm.rms_norm's math)."""
+    nothing. `norm` (weight [in], eps): x goes through that RMSNorm first (norm.rms_norm's math). `group`:
+    0 quantizes x as two digits per row, 32 as one digit per 32 inputs (quantization.py)."""
     load()
     if real_rows is None:
         real_rows = jnp.full((1,), x.shape[0], jnp.int32)
@@ -164,7 +166,8 @@ def int8_linear(
     shapes = [jax.ShapeDtypeStruct((x.shape[0], scale.shape[0]), jnp.float32) for _, scale in weights]
     operands = (x, real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32),
                 *(a for pair in weights for a in pair))  # fmt: skip
-    return list(jax.ffi.ffi_call("jserve_int8_linear", shapes)(*operands, eps=np.float32(eps)))
+    call = jax.ffi.ffi_call("jserve_int8_linear", shapes)
+    return list(call(*operands, eps=np.float32(eps), group=np.int64(group)))
 
 
 def write_kv(

@@ -40,7 +40,7 @@ class LoadedModel:
     dtype: jnp.dtype
     source: ModelSource
     mesh: Mesh | None = None  # tensor parallelism: the devices the weights are split over
-    quantization: str = "none"  # or "int8": projections, embedding and head hold int8 weights
+    quantization: str = "none"  # or "int8", "w8a8": projections, embedding and head hold int8 weights
 
     def save_orbax(self, folder: str | os.PathLike) -> None:
         if self.quantization != "none":
@@ -62,7 +62,7 @@ def load_model(
 ) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder or hub id
     in the local HF cache, a `jserve convert` folder, or `random:<shape>` (random weights, see MODEL_SHAPES).
-    `quantization` "int8": weights quantized once loaded (jserve.models.quantization)."""
+    `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     target_dtype = resolve_dtype(dtype)
@@ -94,12 +94,12 @@ def load_model(
         placement = WeightPlacement.create(config, mesh)
         graphdef, params = load_orbax(source.path, placement, target_dtype)
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    if quantization == "int8":
-        graphdef, params = quantize_model(placement, params, target_dtype)
+    if quantization != "none":
+        graphdef, params = quantize_model(placement, params, target_dtype, quantization)
     log.info(
         "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s activations, %s weights (%.0f MB)",
         config.family, source.path, source.kind, time.perf_counter() - start, config.num_layers,
         num_params / 1e6, target_dtype.name,
-        "int8" if quantization == "int8" else target_dtype.name, sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
+        "int8" if quantization != "none" else target_dtype.name, sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
     return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh, quantization)

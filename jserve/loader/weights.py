@@ -26,8 +26,8 @@ def param_name(path) -> str:
     )
 
 
-def abstract_model(config: ModelConfig, dtype, quantized: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, quantized=quantized)))
+def abstract_model(config: ModelConfig, dtype, quantization: str = "none") -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, quantization=quantization)))
 
 
 def expected_params(state: nnx.State) -> dict[str, jax.ShapeDtypeStruct]:

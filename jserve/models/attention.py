@@ -13,15 +13,15 @@ from jserve.models.rotary import apply_rope
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantized: bool = False):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none"):
         hidden, dim = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
         self.sliding_window = config.sliding_windows[layer_idx]
         q_out, kv_out, bias = self.num_heads * dim, self.num_kv_heads * dim, config.qkv_bias
-        self.q_proj = Linear(hidden, q_out, bias=bias, dtype=dtype, quantized=quantized)
-        self.k_proj = Linear(hidden, kv_out, bias=bias, dtype=dtype, quantized=quantized)
-        self.v_proj = Linear(hidden, kv_out, bias=bias, dtype=dtype, quantized=quantized)
-        self.o_proj = Linear(q_out, hidden, bias=config.o_bias, dtype=dtype, quantized=quantized)
+        self.q_proj = Linear(hidden, q_out, bias=bias, dtype=dtype, quantization=quantization)
+        self.k_proj = Linear(hidden, kv_out, bias=bias, dtype=dtype, quantization=quantization)
+        self.v_proj = Linear(hidden, kv_out, bias=bias, dtype=dtype, quantization=quantization)
+        self.o_proj = Linear(q_out, hidden, bias=config.o_bias, dtype=dtype, quantization=quantization)
         # Qwen3 normalises each head's q and k before rotating them.
         self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None

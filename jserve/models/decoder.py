@@ -13,11 +13,11 @@ from jserve.models.norm import RMSNorm
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantized: bool = False):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none"):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, layer_idx, dtype=dtype, quantized=quantized)
+        self.self_attn = Attention(config, layer_idx, dtype=dtype, quantization=quantization)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, quantized=quantized)
+        self.mlp = MLP(config, dtype=dtype, quantization=quantization)
 
     def __call__(
         self,

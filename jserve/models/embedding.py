@@ -6,12 +6,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve.models.norm import RMSNorm
-from jserve.models.quantization import int8_matmul, rows_of
+from jserve.models.quantization import activation_group, int8_matmul, rows_of
 
 
 class Embedding(nnx.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, quantized: bool = False):
-        self.dtype, self.hidden_size = dtype, hidden_size
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, quantization: str = "none"):
+        quantized = quantization != "none"
+        self.dtype, self.hidden_size, self.activation_group = dtype, hidden_size, activation_group(quantization)
         self.weight = nnx.Param(jnp.zeros((vocab_size, hidden_size), jnp.int8 if quantized else dtype))
         self.weight_scale = nnx.Param(jnp.zeros((vocab_size,), jnp.float32)) if quantized else None
 
@@ -24,6 +25,6 @@ class Embedding(nnx.Module):
     def attend(self, hidden: jax.Array, norm: RMSNorm) -> jax.Array:
         """Logits of norm(hidden) against the embedding table (a tied LM head)."""
         if self.weight_scale is not None:
-            return int8_matmul(hidden, self.weight[...], self.weight_scale[...], norm.params)
+            return int8_matmul(hidden, self.weight[...], self.weight_scale[...], norm.params, self.activation_group)
         hidden = norm(hidden)
         return jax.lax.dot_general(hidden, self.weight[...], (((hidden.ndim - 1,), (1,)), ((), ())))

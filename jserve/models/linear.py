@@ -1,17 +1,19 @@
 """A dense projection holding its weight in the checkpoint's [out, in] layout, so loading never transposes.
 Quantized, the weight is int8 with a float32 scale per output feature, in rows or, where jserve's CPU
-kernel runs it, in the kernel's tiles (see quantization.py)."""
+kernel runs it, in the kernel's tiles, and activations are quantized in the mode's scheme (quantization.py)."""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jserve.models.norm import RMSNorm
-from jserve.models.quantization import int8_matmuls
+from jserve.models.quantization import activation_group, int8_matmuls
 
 
 class Linear(nnx.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, quantized: bool = False):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, quantization: str = "none"):
+        quantized = quantization != "none"
+        self.activation_group = activation_group(quantization)
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), jnp.int8 if quantized else dtype))
         self.weight_scale = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if quantized else None
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
@@ -31,5 +33,6 @@ def project(
         ys = [jax.lax.dot_general(x, p.weight[...], (((x.ndim - 1,), (1,)), ((), ()))) for p in linears]
     else:
         weights = [(p.weight[...], p.weight_scale[...]) for p in linears]
-        ys = int8_matmuls(x, weights, real_rows, None if norm is None else norm.params)
+        norm = None if norm is None else norm.params
+        ys = int8_matmuls(x, weights, real_rows, norm, linears[0].activation_group)
     return [y if p.bias is None else y + p.bias[...] for p, y in zip(linears, ys, strict=True)]

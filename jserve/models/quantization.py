@@ -1,12 +1,13 @@
-"""int8 weights (one scale per output channel) times activations written as two int8 digits per token.
+"""int8 weights (one scale per output channel) times int8 activations, in two schemes.
 
-The weight is int8 with a float32 scale per output row. Each activation row x is split, at run time, into
-a coarse int8 row and an int8 row of what the coarse one missed (each with its own scale): x ≈ s1·q1 + s2·q2,
-good to about 14 bits, so activations add no measurable error and int8 weights are the only approximation.
-Both digits go through one int8 × int8 → int32 matmul (the int8 units: AMX / VNNI on CPU, int8 tensor
-cores on GPU), which reads the weight once. On this project's CPU that runs 2-3x faster than float32 at
-batch 64-512 and 6-9x faster for the LM head, and reads a quarter of the weight bytes. One-digit
-activations would be twice as fast again but measured 3x the logit error on SmolLM2 (docs/benchmarks.md).
+The weight is int8 with a float32 scale per output row. `--quantization int8` splits each activation row x,
+at run time, into a coarse int8 row and an int8 row of what the coarse one missed (each with its own
+scale): x ≈ s1·q1 + s2·q2, good to about 14 bits, so activations add no measurable error and int8 weights
+are the only approximation. Both digits go through one int8 × int8 → int32 matmul (the int8 units: AMX /
+VNNI on CPU, int8 tensor cores on GPU), which reads the weight once. On this project's CPU that runs 2-3x
+faster than float32 at batch 64-512 and 6-9x faster for the LM head, and reads a quarter of the weight
+bytes. `--quantization w8a8` writes one int8 digit per input with a scale per 32 inputs (llama.cpp's Q8
+blocks): half the multiply-adds, and logits measured nearly as close to float32 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import jax.numpy as jnp
 from jserve import cpu_kernels
 from jserve.models.norm import rms_norm
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "w8a8")
+GROUP = 32  # w8a8's inputs per activation scale
 # On a lone CPU device with AVX-512 VNNI, the C++ kernel runs every int8 projection, quantizing x itself:
 # 2-5x faster than XLA's ops from 1 to 512 tokens (docs/benchmarks.md). False when loading keeps rows, so
 # XLA's ops run everywhere (benchmarks compare the two).
 CPU_KERNEL = True
-TILE = (16, 4)  # outputs x inputs per tile (cpu_kernels/int8_linear.cc)
+TILE = (16, 4)  # outputs x inputs per tile line (cpu_kernels/int8_linear.cc); inputs padded to GROUP
 
 
 def quantize_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -44,6 +46,12 @@ class Int8Activations:
     scales: jax.Array
 
 
+def activation_group(quantization: str) -> int:
+    """The activations' scheme for int8_matmuls: 0, two digits per row (int8); GROUP, one digit per GROUP
+    inputs (w8a8)."""
+    return GROUP if quantization == "w8a8" else 0
+
+
 def quantize_activations(rows: jax.Array) -> Int8Activations:
     """rows [N, in] as digits; done once per input, and shared by every projection of that input."""
     rows = rows.astype(jnp.float32)
@@ -53,12 +61,12 @@ def quantize_activations(rows: jax.Array) -> Int8Activations:
 
 
 def tile(q: jax.Array) -> jax.Array:
-    """int8 rows [out, in] -> the CPU kernel's tiles [ceil(out / 16), ceil(in / 4), 16, 4], zero padded:
-    tiles[b, g, j, i] = q[16 b + j, 4 g + i]."""
+    """int8 rows [out, in] -> the CPU kernel's tiles [ceil(out / 16), ceil(in / 32) * 8, 16, 4], zero
+    padded: tiles[b, g, j, i] = q[16 b + j, 4 g + i]."""
     (out, depth), (tile_out, tile_in) = q.shape, TILE
-    blocks, groups = -(-out // tile_out), -(-depth // tile_in)
-    q = jnp.pad(q, ((0, blocks * tile_out - out), (0, groups * tile_in - depth)))
-    return q.reshape(blocks, tile_out, groups, tile_in).transpose(0, 2, 1, 3)
+    blocks, padded = -(-out // tile_out), -(-depth // GROUP) * GROUP
+    q = jnp.pad(q, ((0, blocks * tile_out - out), (0, padded - depth)))
+    return q.reshape(blocks, tile_out, padded // tile_in, tile_in).transpose(0, 2, 1, 3)
 
 
 def rows_of(q: jax.Array, ids: jax.Array, depth: int) -> jax.Array:
@@ -89,23 +97,49 @@ def int8_matmuls(
     weights: list[tuple[jax.Array, jax.Array]],
     real_rows: jax.Array | None = None,
     norm: tuple[jax.Array, float] | None = None,
+    group: int = 0,
 ) -> list[jax.Array]:
     """norm(x) [..., in] times each int8 weight q (rows [out, in] or tiles) with its scale per output ->
-    [..., out] each, in x's dtype. The projections of one input (q/k/v, gate/up) share its digits: tiles go
-    to the CPU kernel in one call (which applies the RMSNorm `norm` = (weight, eps) itself), rows to XLA's
-    ops after one quantization. `real_rows` (int32 [1]): rows of x past it are padding; the CPU kernel skips
-    them (their outputs are zeros), XLA's ops compute them anyway."""
+    [..., out] each, in x's dtype; `group` picks the activations' scheme (activation_group). The projections
+    of one input (q/k/v, gate/up) share its digits: tiles go to the CPU kernel in one call (which applies
+    the RMSNorm `norm` = (weight, eps) itself), rows to XLA's ops after one quantization. `real_rows` (int32
+    [1]): rows of x past it are padding; the CPU kernel skips them (their outputs are zeros), XLA's ops
+    compute them anyway."""
     rows = x.reshape(-1, x.shape[-1])
     if is_tiled(weights[0][0]):
-        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights, real_rows, norm)
+        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights, real_rows, norm, group)
     else:
-        digits = quantize_activations(rows if norm is None else rms_norm(rows, *norm))
-        ys = [_xla_int8_matmul(digits, q, scale) for q, scale in weights]
+        rows = rows if norm is None else rms_norm(rows, *norm)
+        if group:
+            rounded = quantize_groups(rows, group)
+            ys = [_xla_grouped_matmul(rounded, q, scale) for q, scale in weights]
+        else:
+            digits = quantize_activations(rows)
+            ys = [_xla_int8_matmul(digits, q, scale) for q, scale in weights]
     return [y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype) for y in ys]
 
 
-def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, norm: tuple[jax.Array, float] | None = None) -> jax.Array:
-    return int8_matmuls(x, [(q, scale)], norm=norm)[0]
+def int8_matmul(
+    x: jax.Array, q: jax.Array, scale: jax.Array, norm: tuple[jax.Array, float] | None = None, group: int = 0
+) -> jax.Array:
+    return int8_matmuls(x, [(q, scale)], norm=norm, group=group)[0]
+
+
+def quantize_groups(rows: jax.Array, group: int) -> jax.Array:
+    """rows [N, in] with each run of `group` inputs rounded to int8 digits d = round(x · 127 / m), m the
+    run's max |x|, times their scale m / 127 (w8a8's activations, as floats: d · s is exact enough that a
+    float matmul stands in for the int8 one). A product, not x / s: XLA turns that division into x · (1 / s)
+    in some programs and not others, which moves digits that sit on a rounding tie."""
+    n, depth = rows.shape
+    padded = -(-depth // group) * group
+    runs = jnp.pad(rows.astype(jnp.float32), ((0, 0), (0, padded - depth))).reshape(n, -1, group)
+    top = jnp.max(jnp.abs(runs), axis=-1, keepdims=True)
+    digits = jnp.round(runs * jnp.where(top == 0, 0.0, 127.0 / jnp.where(top == 0, 1.0, top)))
+    return (digits * (top / 127.0)).reshape(n, padded)[:, :depth]
+
+
+def _xla_grouped_matmul(rounded: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(rounded, q.astype(jnp.float32), (((1,), (1,)), ((), ()))) * scale
 
 
 def _xla_int8_matmul(x: Int8Activations, q: jax.Array, scale: jax.Array) -> jax.Array:
