@@ -2,8 +2,8 @@
 // output: quantization.py's schemes as one call for all projections of one input (q/k/v, gate/up). With
 // `group` 0 (--quantization int8) each row of x becomes two int8 digit rows (a coarse one and the residual
 // it missed, each with a scale); with `group` 32 (w8a8) one digit row with a scale per 32 inputs, half
-// the multiply-adds. The int8 × int8 sums are exact in int32, then floats. Each float step is an IEEE operation
-// spelled with explicit rounding (so -ffast-math cannot fuse or reorder it): a token's output never
+// the multiply-adds. The int8 × int8 sums are exact in int32, then floats. Each float step is an IEEE
+// operation spelled with explicit rounding (so -ffast-math cannot fuse or reorder it): a token's output never
 // depends on the other tokens of the step. XLA's ops compute the same except where XLA fuses a product
 // and a sum into an FMA differently (about 1e-6 of a row).
 //
@@ -14,8 +14,8 @@
 // tokens (docs/benchmarks.md). The weight is made unsigned by flipping its sign bit (w + 128), and
 // 128 · Σ digits is taken off again. Each pass over a tile prefetches its share of the next tile, so the
 // memory stays busy through all of a tile's passes, not only the first. Work is split over the kernels'
-// workers (parallel.h) by outputs and by tiles of tokens. Without AVX-512 VNNI the library says so (JserveInt8LinearSupported) and the weights
-// stay in rows for XLA's ops.
+// workers (parallel.h) by outputs and by tiles of tokens. Without AVX-512 VNNI the library says so
+// (JserveInt8LinearSupported) and the weights stay in rows for XLA's ops.
 
 #include <algorithm>
 #include <cstdint>
@@ -41,7 +41,7 @@ constexpr int64_t kDepth = 4;         // inputs per line of a tile (vpdpbusd's 4
 constexpr int64_t kGroup = 32;        // inputs per activation scale with `group` (and tiles' input padding)
 constexpr int64_t kGroupLines = kGroup / kDepth;
 constexpr int64_t kTokenTile = 64;    // tokens per work item: their digits stay in L2 while the weight streams
-constexpr int64_t kTokensPerPass = 8; // tokens (16 digit rows, 16 accumulators) per pass over a tile
+constexpr int64_t kTokensPerPass = 8; // tokens (8 or 16 digit rows, 16 accumulators) per pass over a tile
 constexpr int64_t kRowsPerItem = 8;   // rows of x per work item of normalizing and quantizing
 // Multiply-adds per work item: a lone decode's smallest projection (192 x 576) still splits in two.
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;
@@ -53,6 +53,9 @@ struct Quantized {
   float scale[2];
   int32_t sum[2];
 };
+
+// Lanes [0, left) of a 16-lane vector: the tail of a row (all of them from 16 on, none at 0 or below).
+__mmask16 Lanes(int64_t left) { return left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1; }
 
 // The float steps are spelled as intrinsics with explicit rounding: -ffast-math may neither fuse them
 // into FMAs nor turn a division into a reciprocal, so each rounds the same whatever the compiler.
@@ -67,14 +70,14 @@ float Sqrt(float a) { return _mm_cvtss_f32(_mm_sqrt_round_ss(_mm_set_ss(a), _mm_
 void NormalizeRow(const float* x, int64_t depth, const float* norm, float eps, float* normed) {
   __m512 squares = _mm512_setzero_ps();
   for (int64_t k = 0; k < depth; k += 16) {
-    const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+    const __mmask16 m = Lanes(depth - k);
     const __m512 v = _mm512_maskz_loadu_ps(m, x + k);
     squares = _mm512_fmadd_ps(v, v, squares);
   }
   const float mean = Div(_mm512_reduce_add_ps(squares), static_cast<float>(depth));
   const __m512 r = _mm512_set1_ps(Div(1.0f, Sqrt(Add(mean, eps))));
   for (int64_t k = 0; k < depth; k += 16) {
-    const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+    const __mmask16 m = Lanes(depth - k);
     const __m512 v = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(m, x + k), r, kNearest);
     _mm512_mask_storeu_ps(normed + k, m, _mm512_mul_round_ps(_mm512_maskz_loadu_ps(m, norm + k), v, kNearest));
   }
@@ -88,14 +91,14 @@ Quantized QuantizeRow(const float* x, int64_t depth, int8_t* coarse, int8_t* fin
   for (int pass = 0; pass < 2; ++pass) {
     __m512 top = _mm512_setzero_ps();
     for (int64_t k = 0; k < depth; k += 16) {
-      const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+      const __mmask16 m = Lanes(depth - k);
       top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, in + k)));
     }
     const float scale = Div(_mm512_reduce_max_ps(top), 127.0f);
     const __m512 divisor = _mm512_set1_ps(scale == 0.0f ? 1.0f : scale), s = _mm512_set1_ps(scale);
     __m512i sum = _mm512_setzero_si512();
     for (int64_t k = 0; k < depth; k += 16) {
-      const __mmask16 m = depth - k >= 16 ? 0xFFFF : (1u << (depth - k)) - 1;
+      const __mmask16 m = Lanes(depth - k);
       const __m512 v = _mm512_maskz_loadu_ps(m, in + k);
       const __m512 d = _mm512_roundscale_ps(_mm512_div_round_ps(v, divisor, kNearest), kNearest);
       const __m512i di = _mm512_cvtps_epi32(d);
@@ -120,8 +123,7 @@ void QuantizeGroups(const float* x, int64_t depth, int8_t* digits, float* scale,
     __m512 v[2];
     __mmask16 m[2];
     for (int i = 0; i < 2; ++i) {
-      const int64_t left = depth - k - 16 * i;
-      m[i] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1;
+      m[i] = Lanes(depth - k - 16 * i);
       v[i] = _mm512_maskz_loadu_ps(m[i], x + k + 16 * i);
     }
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
@@ -174,7 +176,7 @@ void Tile(const int8_t* digits, int64_t stride, const Quantized* q, const int8_t
 #pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) acc[r] = Dot(acc[r], wv, digits + r * stride + 4 * g);
   }
-  const __mmask16 m = n >= 16 ? 0xFFFF : (1u << n) - 1;
+  const __mmask16 m = Lanes(n);
   const __m512 ws = _mm512_maskz_loadu_ps(m, w_scale + o0);
 #pragma GCC unroll 8
   for (int t = 0; t < kTokens; ++t) {
@@ -229,7 +231,7 @@ void GroupTile(const int8_t* digits, int64_t stride, const float* scale, const i
       sums[t] = _mm512_fmadd_round_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(scale[t * groups + h]), sums[t], kNearest);
     }
   }
-  const __mmask16 m = n >= 16 ? 0xFFFF : (1u << n) - 1;
+  const __mmask16 m = Lanes(n);
   const __m512 ws = _mm512_maskz_loadu_ps(m, w_scale + o0);
 #pragma GCC unroll 8
   for (int t = 0; t < kTokens; ++t) {

@@ -7,7 +7,8 @@ are the only approximation. Both digits go through one int8 × int8 → int32 ma
 VNNI on CPU, int8 tensor cores on GPU), which reads the weight once. On this project's CPU that runs 2-3x
 faster than float32 at batch 64-512 and 6-9x faster for the LM head, and reads a quarter of the weight
 bytes. `--quantization w8a8` writes one int8 digit per input with a scale per 32 inputs (llama.cpp's Q8
-blocks): half the multiply-adds, and logits measured nearly as close to float32 (docs/benchmarks.md).
+blocks): half the multiply-adds, for logits a little further from float32's and greedy replies that part
+from float32's sooner (docs/benchmarks.md).
 """
 
 from __future__ import annotations
