@@ -102,7 +102,7 @@ class EngineArgs:
         parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                             help="int8: int8 weights (per channel) times activations as two int8 digits per "
                             "token (as accurate as float activations); w8a8: one int8 digit with a scale per 32 "
-                            "activations, about half the int8 work, slightly less accurate. Both read 4x fewer "
+                            "activations, about half the int8 work, less faithful to float32. Both read 4x fewer "
                             "weight bytes")  # fmt: skip
         parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                             help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (more sequences "
