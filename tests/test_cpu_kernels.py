@@ -11,7 +11,7 @@ import pytest
 from jserve import cpu_kernels
 from jserve.attention import KVPages
 from jserve.attention.reference import write_kv
-from jserve.models import quantization
+from jserve.models import fused, quantization
 
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
 
@@ -126,7 +126,7 @@ def test_int8_linear_matches_xla_ops(tokens, outputs, depth):
     """The same quantization and integer sums as XLA's ops on the rows; the floats differ only where XLA fuses
     a product and a sum into an FMA and the kernel does not, or the other way round (~1e-6 of the row)."""
     x, q, scale = int8_case(tokens, outputs, depth)
-    [got] = map(np.asarray, jax.jit(cpu_kernels.int8_linear)(x, [tiled(q, scale)]))
+    got = np.asarray(jax.jit(cpu_kernels.int8_linear)(x, *tiled(q, scale)))
     expected = np.asarray(jax.jit(quantization.int8_matmul)(x, q, scale))
     assert got.dtype == np.float32 and not got[1::3].any()
     assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
@@ -140,9 +140,10 @@ def test_w8a8_linear_matches_xla_ops(tokens, outputs, depth):
     """w8a8 (one digit per 32 inputs): the kernel's exact int32 sums per group, scaled and summed in float,
     against XLA's float matmul of the same rounded activations (~1e-6 of the row)."""
     x, q, scale = int8_case(tokens, outputs, depth, seed=6)
-    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, [(q, scale)], group=quantization.GROUP)[0])
+    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, q, scale, group=quantization.GROUP))
     got = np.asarray(linear(x, *tiled(q, scale)))
-    expected = np.asarray(jax.jit(quantization.int8_matmul, static_argnums=4)(x, q, scale, None, quantization.GROUP))
+    w8a8 = jax.jit(lambda x: quantization.int8_matmul(x, q, scale, group=quantization.GROUP))
+    expected = np.asarray(w8a8(x))
     assert got.dtype == np.float32 and not got[1::3].any()
     assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
 
@@ -171,8 +172,8 @@ def test_int8_linear_applies_the_norm(tokens, depth):
     """With an RMSNorm, the kernel projects norm(x) as XLA's ops project rms_norm's output (~1e-6 of a row)."""
     x, q, scale = int8_case(tokens, 100, depth, seed=4)
     norm = (jnp.asarray(np.random.default_rng(5).uniform(0.1, 3, depth).astype(np.float32)), 1e-5)
-    [got] = map(np.asarray, jax.jit(lambda x: cpu_kernels.int8_linear(x, [tiled(q, scale)], None, norm))(x))
-    expected = np.asarray(jax.jit(lambda x: quantization.int8_matmul(x, q, scale, norm))(x))
+    got = np.asarray(jax.jit(lambda x: cpu_kernels.int8_linear(x, *tiled(q, scale), norm=norm))(x))
+    expected = np.asarray(jax.jit(lambda x: quantization.int8_matmul(x, q, scale, norm=norm))(x))
     assert not got[1::3].any() and np.abs(expected).max() > 0
     assert (np.abs(got - expected) <= 2e-5 * np.abs(expected).max(axis=1, keepdims=True)).all()
 
@@ -182,7 +183,7 @@ def test_int8_linear_applies_the_norm(tokens, depth):
 def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step(group):
     """A token's output is bit for bit the same alone or among others, at any place in passes and tiles."""
     x, q, scale = int8_case(150, 300, 576, seed=1)
-    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, [(q, scale)], group=group)[0])
+    linear = jax.jit(lambda x, q, scale: cpu_kernels.int8_linear(x, q, scale, group=group))
     q, scale = tiled(q, scale)
     together = np.asarray(linear(x, q, scale))
     for row in (0, 3, 63, 64, 149):
@@ -195,24 +196,28 @@ def test_int8_linear_rows_do_not_depend_on_the_rest_of_the_step(group):
 def test_int8_linear_skips_padding_rows(real):
     """Rows past `real_rows` (a step's padding) come back as zeros; the real ones are unchanged."""
     x, *_ = int8_case(130, 1, 200, seed=3)
-    weights = [tiled(*int8_case(1, outputs, 200, seed=outputs)[1:]) for outputs in (70, 33)]
-    full = jax.jit(cpu_kernels.int8_linear)(x, weights)
-    padded = jax.jit(cpu_kernels.int8_linear)(x, weights, jnp.array([real], jnp.int32))
-    for y, reference in zip(padded, full, strict=True):
-        y, reference = np.asarray(y), np.asarray(reference)
-        np.testing.assert_array_equal(y[:real], reference[:real])
-        assert not y[real:].any()
+    q, scale = tiled(*int8_case(1, 70, 200, seed=70)[1:])
+    full = np.asarray(jax.jit(cpu_kernels.int8_linear)(x, q, scale))
+    padded = np.asarray(jax.jit(cpu_kernels.int8_linear)(x, q, scale, jnp.array([real], jnp.int32)))
+    np.testing.assert_array_equal(padded[:real], full[:real])
+    assert not padded[real:].any()
 
 
 @needs_int8_kernel
-def test_int8_linear_runs_the_projections_of_one_input_in_one_call():
-    """q/k/v or gate/up in one call: each output is bit for bit its own call's."""
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_fused_projection_gives_each_piece_its_own_output(shards):
+    """q/k/v stacked into one weight (fused.py, rows shard by shard): each piece's output is bit for bit what
+    its own weight gives, though the pieces' widths are not whole tiles."""
     x, *_ = int8_case(70, 1, 130, seed=2)
-    weights = [tiled(*int8_case(1, outputs, 130, seed=outputs)[1:]) for outputs in (300, 16, 45)]
-    together = jax.jit(cpu_kernels.int8_linear)(x, weights)
-    assert [y.shape for y in together] == [(70, 300), (70, 16), (70, 45)]
-    for pair, y in zip(weights, together, strict=True):
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_kernels.int8_linear)(x, [pair])[0]))
+    widths = (300, 16, 46)
+    pieces = [int8_case(1, width, 130, seed=width)[1:] for width in widths]
+    q, scale = (fused.fuse([np.asarray(piece[i]) for piece in pieces], shards) for i in (0, 1))
+    together = jax.jit(cpu_kernels.int8_linear)(x, *tiled(jnp.asarray(q), jnp.asarray(scale)))
+    outputs = fused.split(together, widths, shards, axis=-1)
+    assert [y.shape for y in outputs] == [(70, 300), (70, 16), (70, 46)]
+    for (q, scale), y in zip(pieces, outputs, strict=True):
+        alone = jax.jit(cpu_kernels.int8_linear)(x, *tiled(q, scale))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
 
 
 @needs_int8_kernel

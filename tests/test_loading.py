@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from gguf.quants import dequantize, quantize
 
 from jserve.cli import main as cli_main
@@ -15,7 +16,7 @@ from jserve.errors import ModelLoadError
 from jserve.loader import load_model
 from jserve.loader.gguf_source import open_gguf
 from jserve.loader.random_weights import MODEL_SHAPES
-from jserve.loader.weights import param_name
+from jserve.loader.weights import checkpoint_tensors, param_name
 
 from tiny_models import VARIANTS, jserve_prompt_logits, save_tiny_checkpoint, write_gguf
 
@@ -62,7 +63,8 @@ def test_quantized_gguf_tensors_are_dequantized(tmp_path, llama_folder, qtype):
     model = load_model(tmp_path / "q.gguf", "float32")
     w = torch_model.state_dict()["model.layers.0.mlp.up_proj.weight"].numpy()
     expected = dequantize(quantize(w, qtype), qtype)
-    np.testing.assert_array_equal(np.asarray(model.params["layers"][0]["mlp"]["up_proj"]["weight"][...]), expected)
+    tensors = checkpoint_tensors(nnx.merge(model.graphdef, model.params))
+    np.testing.assert_array_equal(tensors["layers.0.mlp.up_proj.weight"], expected)
 
 
 def test_sharded_checkpoint_with_index(tmp_path, llama_folder):

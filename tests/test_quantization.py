@@ -54,7 +54,7 @@ def test_int8_model_is_the_float_model_with_int8_rounded_weights(tmp_path, varia
     save_tiny_checkpoint(tmp_path, family, **overrides)
     full, int8 = load_model(tmp_path, "float32"), load_model(tmp_path, "float32", quantization="int8")
     matrices = [leaf for leaf in jax.tree.leaves(int8.params) if leaf.ndim >= 2]
-    assert len(matrices) == 7 * 2 + 1 + (not int8.config.tie_word_embeddings)  # projections, embedding, head
+    assert len(matrices) == 4 * 2 + 1 + (not int8.config.tie_word_embeddings)  # qkv, o, gate_up, down; table, head
     assert all(leaf.dtype == np.int8 and leaf.ndim == (4 if tiles_weights() else 2) for leaf in matrices)
     nbytes = [sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)) for model in (full, int8)]
     assert nbytes[1] < 0.3 * nbytes[0]

@@ -18,7 +18,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -149,25 +148,24 @@ def int8_linear_available() -> bool:
 
 def int8_linear(
     x: jax.Array,
-    weights: Sequence[tuple[jax.Array, jax.Array]],
+    q: jax.Array,
+    scale: jax.Array,
     real_rows: jax.Array | None = None,
     norm: tuple[jax.Array, float] | None = None,
     group: int = 0,
-) -> list[jax.Array]:
-    """x [tokens, in] float32 times each int8 weight, in quantization.tile's tiles, with its float32 scale
-    per output -> [tokens, out] float32 each: the projections of one input in one call, x quantized once.
-    `real_rows` (int32 [1]): only x's first rows are real; the other rows' outputs are zeros, and cost
-    nothing. `norm` (weight [in], eps): x goes through that RMSNorm first (norm.rms_norm's math). `group`:
-    0 quantizes x as two digits per row, 32 as one digit per 32 inputs (quantization.py)."""
+) -> jax.Array:
+    """x [tokens, in] float32 times the int8 weight q, in quantization.tile's tiles, with its float32 scale
+    per output -> [tokens, out] float32. `real_rows` (int32 [1]): only x's first rows are real; the other
+    rows' outputs are zeros, and cost nothing. `norm` (weight [in], eps): x goes through that RMSNorm first
+    (norm.rms_norm's math). `group`: 0 quantizes x as two digits per row, 32 as one digit per 32 inputs
+    (quantization.py)."""
     load()
     if real_rows is None:
         real_rows = jnp.full((1,), x.shape[0], jnp.int32)
     norm_weight, eps = norm if norm is not None else (jnp.zeros((0,), jnp.float32), 0.0)
-    shapes = [jax.ShapeDtypeStruct((x.shape[0], scale.shape[0]), jnp.float32) for _, scale in weights]
-    operands = (x, real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32),
-                *(a for pair in weights for a in pair))  # fmt: skip
-    call = jax.ffi.ffi_call("jserve_int8_linear", shapes)
-    return list(call(*operands, eps=np.float32(eps), group=np.int64(group)))
+    call = jax.ffi.ffi_call("jserve_int8_linear", jax.ShapeDtypeStruct((x.shape[0], scale.shape[0]), jnp.float32))
+    operands = (x, real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32), q, scale)
+    return call(*operands, eps=np.float32(eps), group=np.int64(group))
 
 
 def write_kv(

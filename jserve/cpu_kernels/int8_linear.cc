@@ -1,5 +1,5 @@
-// y_i = x · w_iᵀ for float activations x [T, in] and int8 weights w_i [out_i, in] with a float scale per
-// output: quantization.py's schemes as one call for all projections of one input (q/k/v, gate/up). With
+// y = x · wᵀ for float activations x [T, in] and an int8 weight w [out, in] with a float scale per output:
+// quantization.py's schemes (q/k/v and gate/up come fused, one weight each: models/fused.py). With
 // `group` 0 (--quantization int8) each row of x becomes two int8 digit rows (a coarse one and the residual
 // it missed, each with a scale); with `group` 32 (w8a8) one digit row with a scale per 32 inputs, half
 // the multiply-adds. The int8 × int8 sums are exact in int32, then floats. Each float step is an IEEE
@@ -43,7 +43,7 @@ constexpr int64_t kGroupLines = kGroup / kDepth;
 constexpr int64_t kTokenTile = 64;    // tokens per work item: their digits stay in L2 while the weight streams
 constexpr int64_t kTokensPerPass = 8; // tokens (8 or 16 digit rows, 16 accumulators) per pass over a tile
 constexpr int64_t kRowsPerItem = 8;   // rows of x per work item of normalizing and quantizing
-// Multiply-adds per work item: a lone decode's smallest projection (192 x 576) still splits in two.
+// Multiply-adds per work item: a lone decode's smallest projection (SmolLM2's 576 x 576) splits in five.
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;
 constexpr int64_t kMinTiles = 8;  // per work item: each tile's loads prefetch the next one's
 
@@ -250,47 +250,32 @@ constexpr GroupTileFn kGroupTiles[kTokensPerPass + 1] = {
     GroupTile<8>};
 #endif
 
-// One projection of x: its tiled weight, scales and output.
-struct Projection {
-  const int8_t* w;
-  const float* w_scale;
-  float* y;
-  int64_t outputs;
-};
-
-// y_i = norm(x) · w_iᵀ for the projections of one input (q/k/v, gate/up): x is normalized and quantized
-// once, and the weights stream one after another in a single call. Arguments x, the number of x's leading
-// rows that are real (the rest is a step's padding: its outputs are zeros, computed by nobody), the RMSNorm
-// weight applied to x first (or none: [0]), then (tiled w_i, w_scale_i) pairs; one result each. Attribute
-// `group`: 0 for two digits per row, kGroup for one digit per kGroup inputs.
+// y = norm(x) · wᵀ. Arguments x, the number of x's leading rows that are real (the rest is a step's
+// padding: its outputs are zeros, computed by nobody), the RMSNorm weight applied to x first (or none: [0]),
+// the tiled weight w and its scales; the result y. Attribute `group`: 0 for two digits per row, kGroup for
+// one digit per kGroup inputs.
 ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, ffi::Buffer<ffi::F32> norm,
-                      ffi::RemainingArgs weights, ffi::RemainingRets results, float eps, int64_t group) {
+                      ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> y,
+                      float eps, int64_t group) {
   const auto x_dims = x.dimensions();
-  if (x_dims.size() != 2 || real_rows.element_count() != 1 || weights.size() == 0 ||
-      weights.size() != 2 * results.size() || (norm.element_count() != 0 && norm.element_count() != x_dims[1])) {
+  if (x_dims.size() != 2 || real_rows.element_count() != 1 ||
+      (norm.element_count() != 0 && norm.element_count() != x_dims[1])) {
     return ffi::Error::InvalidArgument("int8 linear: needs x [tokens, in], its real row count [1], a norm weight "
-                                       "[in] or [0], then a weight and its scales per result");
+                                       "[in] or [0], then the weight and its scales");
   }
   if (group != 0 && group != kGroup) return ffi::Error::InvalidArgument("int8 linear: group must be 0 or 32");
   const int64_t rows = x_dims[0], depth = x_dims[1], groups = (depth + kGroup - 1) / kGroup;
   const int64_t lines = groups * kGroupLines;  // tiles pad the inputs to whole groups
   const int64_t tokens = std::clamp<int64_t>(real_rows.typed_data()[0], 0, rows);
-  std::vector<Projection> projections;
-  for (size_t i = 0; i < results.size(); ++i) {
-    auto w = weights.get<ffi::Buffer<ffi::S8>>(2 * i);
-    auto scale = weights.get<ffi::Buffer<ffi::F32>>(2 * i + 1);
-    auto y = results.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w || !scale || !y) return ffi::Error::InvalidArgument("int8 linear: weights are int8, scales float32");
-    const int64_t outputs = scale->element_count();
-    const auto w_dims = w->dimensions();
-    if (w_dims.size() != 4 || w_dims[0] != (outputs + kOutputs - 1) / kOutputs || w_dims[1] != lines ||
-        w_dims[2] != kOutputs || w_dims[3] != kDepth || (*y)->element_count() != rows * outputs) {
-      return ffi::Error::InvalidArgument("int8 linear: each weight must be tiled [out/16, in/4, 16, 4] (out "
-                                         "rounded up to 16, in to 32) with out float32 scales");
-    }
-    projections.push_back({w->typed_data(), scale->typed_data(), (*y)->typed_data(), outputs});
+  const int64_t outputs = w_scale.element_count();
+  const auto w_dims = w.dimensions();
+  if (w_dims.size() != 4 || w_dims[0] != (outputs + kOutputs - 1) / kOutputs || w_dims[1] != lines ||
+      w_dims[2] != kOutputs || w_dims[3] != kDepth || y->element_count() != rows * outputs) {
+    return ffi::Error::InvalidArgument("int8 linear: the weight must be tiled [out/16, in/4, 16, 4] (out "
+                                       "rounded up to 16, in to 32) with out float32 scales");
   }
-  for (const Projection& p : projections) std::fill(p.y + tokens * p.outputs, p.y + rows * p.outputs, 0.0f);
+  float* out = y->typed_data();
+  std::fill(out + tokens * outputs, out + rows * outputs, 0.0f);
   if (tokens == 0) return ffi::Error::Success();
 #if JSERVE_VNNI
   const int64_t digit_rows = group ? 1 : 2;  // per token
@@ -317,9 +302,8 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
       }
     }
   });
-  // Work items: (projection, first output, tile of tokens), each about kWorkPerItem multiply-adds.
+  // Work items: (first output, tile of tokens), each about kWorkPerItem multiply-adds.
   struct Item {
-    const Projection* p;
     int64_t o_begin, o_end, t_begin;
   };
   const int64_t tile_tokens = std::min(tokens, kTokenTile);
@@ -327,31 +311,29 @@ ffi::Error Int8Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
       kMinTiles * kOutputs, kWorkPerItem / (digit_rows * tile_tokens * depth) / kOutputs * kOutputs);
   std::vector<Item> items;
   for (int64_t t = 0; t < tokens; t += kTokenTile) {
-    for (const Projection& p : projections) {
-      for (int64_t o = 0; o < p.outputs; o += per_item) items.push_back({&p, o, std::min(p.outputs, o + per_item), t});
-    }
+    for (int64_t o = 0; o < outputs; o += per_item) items.push_back({o, std::min(outputs, o + per_item), t});
   }
   const int64_t tile_bytes = lines * kDepth * kOutputs;
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
-    const Projection& p = *item.p;
     const int64_t t_end = std::min(tokens, item.t_begin + kTokenTile);
     const int64_t passes = (t_end - item.t_begin + kTokensPerPass - 1) / kTokensPerPass;
     const int64_t step = ((int64_t{1} << 16) + passes - 1) / passes;
     for (int64_t o0 = item.o_begin; o0 < item.o_end; o0 += kOutputs) {
-      const int8_t* tile = p.w + o0 / kOutputs * tile_bytes;
+      const int8_t* tile = w.typed_data() + o0 / kOutputs * tile_bytes;
       const int8_t* next = o0 + kOutputs < item.o_end ? tile + tile_bytes : tile;  // the last asks for itself
       const int64_t n = std::min(kOutputs, item.o_end - o0);
       for (int64_t t = item.t_begin, pass = 0; t < t_end; t += kTokensPerPass, ++pass) {
         const int64_t count = std::min(kTokensPerPass, t_end - t);
         const Prefetch prefetch{next + 64 * (pass * lines / passes), step};
-        float* y = p.y + t * p.outputs;
+        float* y_rows = out + t * outputs;
         if (group) {
           kGroupTiles[count](digits.data() + t * stride, stride, group_scale.data() + t * groups,
-                             group_init.data() + t * groups, groups, tile, prefetch, p.w_scale, p.outputs, o0, n, y);
+                             group_init.data() + t * groups, groups, tile, prefetch, w_scale.typed_data(), outputs,
+                             o0, n, y_rows);
         } else {
           kTiles[count](digits.data() + 2 * t * stride, stride, quantized.data() + t, tile, prefetch, lines,
-                        p.w_scale, p.outputs, o0, n, y);
+                        w_scale.typed_data(), outputs, o0, n, y_rows);
         }
       }
     }
@@ -371,7 +353,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveInt8Linear, Int8Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
                                   .Attr<int64_t>("group"));

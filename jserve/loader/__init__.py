@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jserve.config import ModelConfig, read_hf_config
 from jserve.loader.default_model import default_model_path
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
-from jserve.loader.orbax_io import load_orbax, read_orbax_config, save_orbax
+from jserve.loader.orbax_io import read_orbax, read_orbax_config, save_orbax
 from jserve.loader.quantize import quantize_model
 from jserve.loader.random_weights import random_params, shape_config
 from jserve.loader.resolve import ModelSource, resolve_model
@@ -45,7 +45,7 @@ class LoadedModel:
     def save_orbax(self, folder: str | os.PathLike) -> None:
         if self.quantization != "none":
             raise ValueError("`jserve convert` writes float weights; quantize when loading them instead")
-        save_orbax(self.config, self.params, self.tokenizer, self.dtype, Path(folder))
+        save_orbax(nnx.merge(self.graphdef, self.params), self.tokenizer, self.dtype, Path(folder))
 
 
 def resolve_dtype(dtype: str) -> jnp.dtype:
@@ -89,10 +89,11 @@ def load_model(
         placement = WeightPlacement.create(config, mesh)
         graphdef, params = random_params(placement, target_dtype)
     else:
-        config, _ = read_orbax_config(source.path)
+        config, saved_dtype = read_orbax_config(source.path)
         tokenizer = Tokenizer.from_folder(source.path)
+        tensors = read_orbax(source.path, config, saved_dtype)
         placement = WeightPlacement.create(config, mesh)
-        graphdef, params = load_orbax(source.path, placement, target_dtype)
+        graphdef, params = assemble(placement, tensors.items(), target_dtype, source.path.name, total=len(tensors))
     num_params = sum(x.size for x in jax.tree.leaves(params))
     if quantization != "none":
         graphdef, params = quantize_model(placement, params, target_dtype, quantization)

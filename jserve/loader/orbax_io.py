@@ -8,16 +8,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
-import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
 
 from jserve.config import ModelConfig
 from jserve.errors import ModelLoadError
 from jserve.loader.resolve import ORBAX_MARKER
-from jserve.loader.weights import abstract_model, param_name
-from jserve.parallel import WeightPlacement
+from jserve.loader.weights import abstract_module, checkpoint_tensors
+from jserve.models import CausalLM
 
 FORMAT_VERSION = 1
 
@@ -28,16 +28,18 @@ def _checkpointer():
     return ocp.StandardCheckpointer()
 
 
-def save_orbax(config: ModelConfig, params: nnx.State, tokenizer, dtype, folder: Path) -> None:
+def save_orbax(model: CausalLM, tokenizer, dtype, folder: Path) -> None:
+    """Write the model's params as the checkpoint names them (fused projections split into their pieces,
+    so a folder loads at any tensor-parallel size), its config and its tokenizer."""
     folder = Path(folder).absolute()
     if folder.exists() and any(folder.iterdir()):
         raise FileExistsError(f"{folder} exists and is not empty")
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with _checkpointer() as checkpointer:
-            checkpointer.save(folder / "params", nnx.to_pure_dict(params))
+            checkpointer.save(folder / "params", _nested(checkpoint_tensors(model)))
         tokenizer.save(folder)
-        meta = {"format": FORMAT_VERSION, "dtype": jnp.dtype(dtype).name, "config": config.to_dict()}
+        meta = {"format": FORMAT_VERSION, "dtype": jnp.dtype(dtype).name, "config": model.config.to_dict()}
         (folder / ORBAX_MARKER).write_text(json.dumps(meta, indent=2))  # written last: marks a complete folder
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
@@ -53,19 +55,10 @@ def read_orbax_config(folder: Path) -> tuple[ModelConfig, str]:
         raise ModelLoadError(f"{path}: not a valid jserve checkpoint description ({err!r})") from None
 
 
-def load_orbax(folder: Path, placement: WeightPlacement, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """Restore params; with a mesh, Orbax reads each device's shard straight onto it."""
-    if placement.config != placement.original:
-        raise ModelLoadError(
-            f"{folder}: replicating KV heads over tensor_parallel_size {placement.mesh.size} needs the original "
-            "checkpoint (GGUF or Hugging Face), not a `jserve convert` folder"
-        )
-    graphdef, abstract = abstract_model(placement.config, dtype)
-    abstract = jax.tree_util.tree_map_with_path(
-        lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement.sharding(param_name(path))),
-        abstract,
-    )
-    target = nnx.to_pure_dict(abstract)
+def read_orbax(folder: Path, config: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
+    """The folder's tensors by checkpoint name, in host memory (for loader.weights.assemble)."""
+    shapes = checkpoint_tensors(abstract_module(config, jnp.dtype(dtype)))
+    target = _nested({name: np.zeros(shape.shape, shape.dtype) for name, shape in shapes.items()})
     try:
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(folder.absolute() / "params", target)
@@ -73,6 +66,23 @@ def load_orbax(folder: Path, placement: WeightPlacement, dtype) -> tuple[nnx.Gra
         raise ModelLoadError(
             f"{folder / 'params'}: cannot restore the Orbax checkpoint ({type(err).__name__}: {err})"
         ) from None
-    restored = jax.tree.map(lambda x, want: x.astype(want.dtype), restored, target)
-    nnx.replace_by_pure_dict(abstract, restored)
-    return graphdef, abstract
+    return {name: _get(restored, name) for name in shapes}
+
+
+def _nested(tensors: dict[str, Any]) -> dict:
+    """{'layers.0.mlp.up_proj.weight': x} -> {'layers': {0: {'mlp': {'up_proj': {'weight': x}}}}}: the tree
+    `nnx.to_pure_dict` gave format 1's folders."""
+    tree: dict = {}
+    for name, tensor in tensors.items():
+        *parents, leaf = (int(key) if key.isdigit() else key for key in name.split("."))
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = tensor
+    return tree
+
+
+def _get(tree: dict, name: str):
+    for key in name.split("."):
+        tree = tree[int(key) if key.isdigit() else key]
+    return tree

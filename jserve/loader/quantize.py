@@ -20,7 +20,7 @@ def quantize_model(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) of the int8 or w8a8 model: each int8 weight and its `weight_scale` from the float
     weight, the weight in the CPU kernel's tiles where it will run them."""
-    graphdef, abstract = abstract_model(placement.config, dtype, quantization)
+    graphdef, abstract = abstract_model(placement.config, dtype, quantization, placement.shards)
     tiled = tiles_weights()
     floats = {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
     done: dict[str, jax.Array] = {}

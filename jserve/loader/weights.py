@@ -1,12 +1,14 @@
-"""Assemble a CausalLM from named checkpoint tensors: match names, check shapes, cast, place on device.
+"""Assemble a CausalLM from named checkpoint tensors: match names, check shapes, cast, fuse, place on device.
 
 The module tree is built abstractly (no memory), then filled one tensor at a time, each converted
-straight to its final dtype, so peak memory stays near one copy of the weights.
+straight to its final dtype (a fused projection once all its pieces are in), so peak memory stays near one
+copy of the weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -16,7 +18,10 @@ from tqdm.auto import tqdm
 from jserve.config import ModelConfig
 from jserve.errors import ModelLoadError
 from jserve.models import CausalLM
-from jserve.parallel import WeightPlacement
+from jserve.models.fused import fuse
+from jserve.models.fused import split as fused_split
+from jserve.models.linear import Linear
+from jserve.parallel import WeightPlacement, replicate_kv_heads
 
 
 def param_name(path) -> str:
@@ -26,12 +31,61 @@ def param_name(path) -> str:
     )
 
 
-def abstract_model(config: ModelConfig, dtype, quantization: str = "none") -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, quantization=quantization)))
+def abstract_module(config: ModelConfig, dtype, quantization: str = "none", shards: int = 1) -> CausalLM:
+    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, quantization=quantization, shards=shards))
+
+
+def abstract_model(
+    config: ModelConfig, dtype, quantization: str = "none", shards: int = 1
+) -> tuple[nnx.GraphDef, nnx.State]:
+    return nnx.split(abstract_module(config, dtype, quantization, shards))
 
 
 def expected_params(state: nnx.State) -> dict[str, jax.ShapeDtypeStruct]:
     return {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A checkpoint tensor that a fused parameter holds (q_proj's weight in qkv_proj's)."""
+
+    param: str
+    index: int  # among the parameter's pieces
+    count: int
+
+
+def fused_linears(model: CausalLM) -> dict[str, Linear]:
+    """The model's fused projections by path ('layers.0.self_attn.qkv_proj')."""
+    return {".".join(map(str, path)): node for path, node in nnx.iter_graph(model)
+            if isinstance(node, Linear) and node.pieces}  # fmt: skip
+
+
+def fused_pieces(model: CausalLM) -> dict[str, Piece]:
+    """Each fused parameter's pieces by checkpoint name: 'layers.0.self_attn.k_proj.bias' ->
+    Piece('layers.0.self_attn.qkv_proj.bias', 1, 3)."""
+    pieces = {}
+    for path, linear in fused_linears(model).items():
+        for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
+            for index, (name, _) in enumerate(linear.pieces):
+                pieces[f"{path.rpartition('.')[0]}.{name}.{kind}"] = Piece(f"{path}.{kind}", index, len(linear.pieces))
+    return pieces
+
+
+def checkpoint_tensors(model: CausalLM) -> dict[str, jax.ShapeDtypeStruct | np.ndarray]:
+    """The model's params as a checkpoint names them, each fused one as its pieces: of an abstract model their
+    shapes, of a loaded one host arrays (gathered from their devices)."""
+    tensors = expected_params(nnx.state(model))
+    for path, linear in fused_linears(model).items():
+        names, widths = zip(*linear.pieces, strict=True)
+        for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
+            fused = tensors.pop(f"{path}.{kind}")
+            if isinstance(fused, jax.ShapeDtypeStruct):
+                pieces = [jax.ShapeDtypeStruct((width, *fused.shape[1:]), fused.dtype) for width in widths]
+            else:
+                pieces = fused_split(np.asarray(fused), widths, linear.shards, axis=0)
+            parent = path.rpartition(".")[0]
+            tensors.update((f"{parent}.{name}.{kind}", piece) for name, piece in zip(names, pieces, strict=True))
+    return tensors
 
 
 def assemble(
@@ -43,12 +97,13 @@ def assemble(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) for the placement's config from (name, array) pairs checked against the
     checkpoint's config; names may carry the HF `model.` prefix."""
-    config = placement.config
-    graphdef, abstract = abstract_model(config, dtype)
+    config, shards = placement.config, placement.shards
+    model = abstract_module(config, dtype, shards=shards)
     # Shapes as the checkpoint has them (tensor-parallel padding may have grown the placed ones).
-    original = abstract if placement.original == config else abstract_model(placement.original, dtype)[1]
-    expected = expected_params(original)
+    original = model if placement.original == config else abstract_module(placement.original, dtype, shards=shards)
+    expected, pieces = checkpoint_tensors(original), fused_pieces(model)
     loaded: dict[str, jax.Array] = {}
+    waiting: dict[str, list[np.ndarray | None]] = {}  # fused params by name: their pieces so far
     for name, array in tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False):
         key = name.removeprefix("model.")
         if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -57,16 +112,25 @@ def assemble(
             continue  # recomputed from the config
         if key not in expected:
             raise ModelLoadError(f"{source}: unexpected tensor {name!r} for a {config.family} model")
-        want = expected[key]
+        want = expected.pop(key)
         if tuple(array.shape) != tuple(want.shape):
             raise ModelLoadError(
                 f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                 f"expected {tuple(want.shape)} from the config"
             )
-        loaded[key] = placement.put(key, np.asarray(array, dtype=want.dtype))
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
+        array = np.asarray(array, dtype=want.dtype)
+        if key not in pieces:
+            loaded[key] = placement.put(key, array)
+            continue
+        piece = pieces[key]
+        parts = waiting.setdefault(piece.param, [None] * piece.count)
+        parts[piece.index] = replicate_kv_heads(key, array, placement.original, config)
+        if all(part is not None for part in parts):
+            loaded[piece.param] = placement.put(piece.param, fuse(waiting.pop(piece.param), shards))
+    if expected:
+        missing = sorted(expected)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{source}: missing tensors {shown}")
+    graphdef, abstract = nnx.split(model)
     params = jax.tree_util.tree_map_with_path(lambda path, _: loaded[param_name(path)], abstract)
     return graphdef, params

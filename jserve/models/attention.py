@@ -7,20 +7,19 @@ from flax import nnx
 
 from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
-from jserve.models.linear import Linear, project
+from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
 from jserve.models.rotary import apply_rope
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none"):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none", shards: int = 1):
         hidden, dim = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
         self.sliding_window = config.sliding_windows[layer_idx]
         q_out, kv_out, bias = self.num_heads * dim, self.num_kv_heads * dim, config.qkv_bias
-        self.q_proj = Linear(hidden, q_out, bias=bias, dtype=dtype, quantization=quantization)
-        self.k_proj = Linear(hidden, kv_out, bias=bias, dtype=dtype, quantization=quantization)
-        self.v_proj = Linear(hidden, kv_out, bias=bias, dtype=dtype, quantization=quantization)
+        pieces = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}
+        self.qkv_proj = Linear(hidden, pieces, bias=bias, dtype=dtype, quantization=quantization, shards=shards)
         self.o_proj = Linear(q_out, hidden, bias=config.o_bias, dtype=dtype, quantization=quantization)
         # Qwen3 normalises each head's q and k before rotating them.
         self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
@@ -35,9 +34,9 @@ class Attention(nnx.Module):
         attention: AttentionBackend,
         norm: RMSNorm | None = None,
     ) -> tuple[jax.Array, KVPages]:
-        """Attention over norm(x), or x (the projections apply the norm: see linear.project)."""
+        """Attention over norm(x), or x (the projection applies the norm: see Linear)."""
         tokens = x.shape[0]
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj, real_rows=meta.real_tokens, norm=norm)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x, meta.real_tokens, norm))
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)

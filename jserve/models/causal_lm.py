@@ -1,7 +1,8 @@
 """The decoder-only causal LM shared by the Llama, Mistral and Qwen2/3 families.
 
-Parameter paths mirror Hugging Face names without the `model.` prefix (`layers.3.self_attn.q_proj.weight`),
-so checkpoints map onto the module tree by name alone.
+Parameter paths mirror Hugging Face names without the `model.` prefix (`layers.3.self_attn.o_proj.weight`),
+so checkpoints map onto the module tree by name; a fused projection (`self_attn.qkv_proj`, `mlp.gate_up_proj`)
+names the checkpoint tensors it holds (fused.py).
 """
 
 from __future__ import annotations
@@ -16,20 +17,24 @@ from jserve.attention import REFERENCE, AttentionBackend, KVCache, ModelInput
 from jserve.config import ModelConfig
 from jserve.models.decoder import DecoderLayer
 from jserve.models.embedding import Embedding
-from jserve.models.linear import Linear, project
+from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
 from jserve.models.rotary import inverse_frequencies, rope_angles
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, quantization: str = "none"):
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, quantization: str = "none", shards: int = 1):
         """`quantization` int8 or w8a8: every projection, the embedding and the head hold int8 weights (norms
-        stay float), and multiply activations in that scheme (quantization.py)."""
+        stay float), and multiply activations in that scheme (quantization.py). `shards`: the tensor-parallel
+        devices, whose blocks of rows the fused projections order theirs for (fused.py)."""
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, quantization=quantization)
         # A Python list, unrolled at trace time: measured ~2x faster than lax.scan over stacked layers on CPU.
         self.layers = nnx.List(
-            [DecoderLayer(config, i, dtype=dtype, quantization=quantization) for i in range(config.num_layers)]
+            [
+                DecoderLayer(config, i, dtype=dtype, quantization=quantization, shards=shards)
+                for i in range(config.num_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         tied, head = config.tie_word_embeddings, (config.hidden_size, config.vocab_size)
@@ -50,7 +55,7 @@ class CausalLM(nnx.Module):
         if self.lm_head is None:
             logits = self.embed_tokens.attend(hidden, self.norm)
         else:
-            logits = project(hidden, self.lm_head, norm=self.norm)[0]
+            logits = self.lm_head(hidden, norm=self.norm)
         return logits.astype(jnp.float32), tuple(new_cache)
 
 

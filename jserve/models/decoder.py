@@ -13,11 +13,11 @@ from jserve.models.norm import RMSNorm
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none"):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none", shards: int = 1):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, layer_idx, dtype=dtype, quantization=quantization)
+        self.self_attn = Attention(config, layer_idx, dtype=dtype, quantization=quantization, shards=shards)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, quantization=quantization)
+        self.mlp = MLP(config, dtype=dtype, quantization=quantization, shards=shards)
 
     def __call__(
         self,

@@ -25,6 +25,7 @@ class Embedding(nnx.Module):
     def attend(self, hidden: jax.Array, norm: RMSNorm) -> jax.Array:
         """Logits of norm(hidden) against the embedding table (a tied LM head)."""
         if self.weight_scale is not None:
-            return int8_matmul(hidden, self.weight[...], self.weight_scale[...], norm.params, self.activation_group)
+            weight, scale = self.weight[...], self.weight_scale[...]
+            return int8_matmul(hidden, weight, scale, norm=norm.params, group=self.activation_group)
         hidden = norm(hidden)
         return jax.lax.dot_general(hidden, self.weight[...], (((hidden.ndim - 1,), (1,)), ((), ())))

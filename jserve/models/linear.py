@@ -1,4 +1,5 @@
-"""A dense projection holding its weight in the checkpoint's [out, in] layout, so loading never transposes.
+"""A dense projection holding its weight in the checkpoint's [out, in] layout, so loading never transposes;
+a fused one stacks several checkpoint projections of one input (fused.py).
 Quantized, the weight is int8 with a float32 scale per output feature, in rows or, where jserve's CPU
 kernel runs it, in the kernel's tiles, and activations are quantized in the mode's scheme (quantization.py)."""
 
@@ -6,33 +7,44 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve.models import fused
 from jserve.models.norm import RMSNorm
-from jserve.models.quantization import activation_group, int8_matmuls
+from jserve.models.quantization import activation_group, int8_matmul
 
 
 class Linear(nnx.Module):
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, quantization: str = "none"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | dict[str, int],
+        *,
+        bias: bool,
+        dtype,
+        quantization: str = "none",
+        shards: int = 1,
+    ):
+        """`out_features` {checkpoint name: rows} fuses those projections, their rows ordered for `shards`
+        tensor-parallel devices (fused.py)."""
         quantized = quantization != "none"
+        self.pieces = tuple(out_features.items()) if isinstance(out_features, dict) else ()
+        self.shards = shards
+        rows = sum(width for _, width in self.pieces) or out_features
         self.activation_group = activation_group(quantization)
-        self.weight = nnx.Param(jnp.zeros((out_features, in_features), jnp.int8 if quantized else dtype))
-        self.weight_scale = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if quantized else None
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+        self.weight = nnx.Param(jnp.zeros((rows, in_features), jnp.int8 if quantized else dtype))
+        self.weight_scale = nnx.Param(jnp.zeros((rows,), jnp.float32)) if quantized else None
+        self.bias = nnx.Param(jnp.zeros((rows,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array, real_rows: jax.Array | None = None) -> jax.Array:
-        return project(x, self, real_rows=real_rows)[0]
+    def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
+        """norm(x), or x, times the weight. Quantized, the CPU kernel applies the norm itself, and skips x's
+        rows past `real_rows` (int32 [1]: a step's padding; their outputs are zeros)."""
+        if self.weight_scale is None:
+            x = x if norm is None else norm(x)
+            y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
+        else:
+            norm = None if norm is None else norm.params
+            y = int8_matmul(x, self.weight[...], self.weight_scale[...], real_rows, norm, self.activation_group)
+        return y if self.bias is None else y + self.bias[...]
 
-
-def project(
-    x: jax.Array, *linears: Linear, real_rows: jax.Array | None = None, norm: RMSNorm | None = None
-) -> list[jax.Array]:
-    """The projections of one input, norm(x) or x (q/k/v, gate/up). Quantized, they share its digits: one
-    kernel call on a CPU, which applies the norm too, one quantization elsewhere. `real_rows` (int32 [1]):
-    x's rows past it are a step's padding, which the CPU kernel skips."""
-    if linears[0].weight_scale is None:
-        x = x if norm is None else norm(x)
-        ys = [jax.lax.dot_general(x, p.weight[...], (((x.ndim - 1,), (1,)), ((), ()))) for p in linears]
-    else:
-        weights = [(p.weight[...], p.weight_scale[...]) for p in linears]
-        norm = None if norm is None else norm.params
-        ys = int8_matmuls(x, weights, real_rows, norm, linears[0].activation_group)
-    return [y if p.bias is None else y + p.bias[...] for p, y in zip(linears, ys, strict=True)]
+    def split(self, y: jax.Array) -> list[jax.Array]:
+        """A fused projection's output -> its pieces' outputs (q, k, v or gate, up)."""
+        return fused.split(y, [width for _, width in self.pieces], self.shards, axis=-1)

@@ -48,13 +48,13 @@ class Int8Activations:
 
 
 def activation_group(quantization: str) -> int:
-    """The activations' scheme for int8_matmuls: 0, two digits per row (int8); GROUP, one digit per GROUP
+    """The activations' scheme for int8_matmul: 0, two digits per row (int8); GROUP, one digit per GROUP
     inputs (w8a8)."""
     return GROUP if quantization == "w8a8" else 0
 
 
 def quantize_activations(rows: jax.Array) -> Int8Activations:
-    """rows [N, in] as digits; done once per input, and shared by every projection of that input."""
+    """rows [N, in] as two digits each."""
     rows = rows.astype(jnp.float32)
     coarse, coarse_scale = quantize_rows(rows)
     fine, fine_scale = quantize_rows(rows - coarse * coarse_scale[:, None])
@@ -93,37 +93,29 @@ def tiles_weights() -> bool:
     )
 
 
-def int8_matmuls(
+def int8_matmul(
     x: jax.Array,
-    weights: list[tuple[jax.Array, jax.Array]],
+    q: jax.Array,
+    scale: jax.Array,
     real_rows: jax.Array | None = None,
     norm: tuple[jax.Array, float] | None = None,
     group: int = 0,
-) -> list[jax.Array]:
-    """norm(x) [..., in] times each int8 weight q (rows [out, in] or tiles) with its scale per output ->
-    [..., out] each, in x's dtype; `group` picks the activations' scheme (activation_group). The projections
-    of one input (q/k/v, gate/up) share its digits: tiles go to the CPU kernel in one call (which applies
-    the RMSNorm `norm` = (weight, eps) itself), rows to XLA's ops after one quantization. `real_rows` (int32
+) -> jax.Array:
+    """norm(x) [..., in] times the int8 weight q (rows [out, in] or tiles) with its scale per output ->
+    [..., out] in x's dtype; `group` picks the activations' scheme (activation_group). Tiles go to the CPU
+    kernel, which applies the RMSNorm `norm` = (weight, eps) itself; rows to XLA's ops. `real_rows` (int32
     [1]): rows of x past it are padding; the CPU kernel skips them (their outputs are zeros), XLA's ops
     compute them anyway."""
     rows = x.reshape(-1, x.shape[-1])
-    if is_tiled(weights[0][0]):
-        ys = cpu_kernels.int8_linear(rows.astype(jnp.float32), weights, real_rows, norm, group)
+    if is_tiled(q):
+        y = cpu_kernels.int8_linear(rows.astype(jnp.float32), q, scale, real_rows, norm, group)
     else:
         rows = rows if norm is None else rms_norm(rows, *norm)
         if group:
-            rounded = quantize_groups(rows, group)
-            ys = [_xla_grouped_matmul(rounded, q, scale) for q, scale in weights]
+            y = _xla_grouped_matmul(quantize_groups(rows, group), q, scale)
         else:
-            digits = quantize_activations(rows)
-            ys = [_xla_int8_matmul(digits, q, scale) for q, scale in weights]
-    return [y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype) for y in ys]
-
-
-def int8_matmul(
-    x: jax.Array, q: jax.Array, scale: jax.Array, norm: tuple[jax.Array, float] | None = None, group: int = 0
-) -> jax.Array:
-    return int8_matmuls(x, [(q, scale)], norm=norm, group=group)[0]
+            y = _xla_int8_matmul(quantize_activations(rows), q, scale)
+    return y.reshape(*x.shape[:-1], y.shape[-1]).astype(x.dtype)
 
 
 def quantize_groups(rows: jax.Array, group: int) -> jax.Array:

@@ -1,7 +1,9 @@
 """Megatron-style tensor parallelism over one named mesh axis.
 
 - q/k/v and gate/up are column-parallel (output features split), o and down row-parallel (input features
-  split): each layer needs one all-reduce after attention and one after the MLP, which XLA inserts.
+  split): each layer needs one all-reduce after attention and one after the MLP, which XLA inserts. q/k/v
+  and gate/up are fused, one weight each, with rows ordered so each device's block holds its share of every
+  piece (models/fused.py).
 - Attention heads are split across devices; the KV cache is split by KV head. With fewer KV heads than
   devices, each KV head is replicated (its k/v projection rows repeated at load time) so every device
   holds the KV heads its query heads read. Head counts that do not divide evenly are an error, not padded:
@@ -23,7 +25,7 @@ from jserve.config import ModelConfig
 from jserve.errors import ModelLoadError
 
 MODEL_AXIS = "model"
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COLUMN = ("qkv_proj", "gate_up_proj")
 _ROW = ("o_proj", "down_proj")
 
 
@@ -56,7 +58,8 @@ def tensor_parallel_config(config: ModelConfig, tp: int) -> ModelConfig:
 
 
 def replicate_kv_heads(name: str, array: np.ndarray, original: ModelConfig, sharded: ModelConfig) -> np.ndarray:
-    """Repeat each KV head's rows of k_proj / v_proj (weight or bias) as `tensor_parallel_config` asked."""
+    """Repeat each KV head's rows of a checkpoint's k_proj / v_proj (weight or bias) as
+    `tensor_parallel_config` asked."""
     repeats = sharded.num_kv_heads // original.num_kv_heads
     if repeats == 1 or not name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
         return array
@@ -65,7 +68,7 @@ def replicate_kv_heads(name: str, array: np.ndarray, original: ModelConfig, shar
 
 
 def param_spec(name: str, config: ModelConfig, tp: int) -> PartitionSpec:
-    """How the parameter `layers.3.self_attn.q_proj.weight` (HF name, [out, in] layout) is split."""
+    """How the parameter `layers.3.self_attn.qkv_proj.weight` ([out, in] layout) is split."""
     module, _, kind = name.rpartition(".")
     layer = module.rpartition(".")[2]
     if layer in _COLUMN:
@@ -94,11 +97,13 @@ class WeightPlacement:
     def create(cls, config: ModelConfig, mesh: Mesh | None) -> WeightPlacement:
         return cls(config, tensor_parallel_config(config, mesh.size if mesh else 1), mesh)
 
+    @property
+    def shards(self) -> int:
+        return self.mesh.size if self.mesh else 1
+
     def sharding(self, name: str) -> NamedSharding | None:
         return None if self.mesh is None else NamedSharding(self.mesh, param_spec(name, self.config, self.mesh.size))
 
     def put(self, name: str, array: np.ndarray) -> jax.Array:
         """Place a host tensor; with a mesh each device receives only its own shard."""
-        if self.mesh is None:
-            return jax.device_put(array)
-        return jax.device_put(replicate_kv_heads(name, array, self.original, self.config), self.sharding(name))
+        return jax.device_put(array, self.sharding(name))
