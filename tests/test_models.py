@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jserve.loader import load_model
+from jserve.models import fused
 
 from tiny_models import VARIANTS, VOCAB_SIZE, jserve_prompt_logits, reference_logits, save_tiny_checkpoint
 
@@ -32,3 +33,19 @@ def test_full_sequence_logits_match_transformers(checkpoint):
     ids = np.random.default_rng(1).integers(0, VOCAB_SIZE, 45).tolist()  # ends mid-page (page size 16)
     ours, theirs = jserve_prompt_logits(model, ids), reference_logits(reference, ids)
     np.testing.assert_allclose(ours, theirs, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_fused_rows_go_shard_by_shard_and_split_back(shards):
+    """fused.fuse stacks q/k/v so each device's block of rows holds its share of every piece; fused.split
+    takes a weight's rows (axis 0) or a matmul's outputs (axis -1) back apart."""
+    q, k, v = (np.arange(width * 3).reshape(width, 3) + 100 * i for i, width in enumerate((4, 2, 2)))
+    rows = fused.fuse([q, k, v], shards)
+    block = len(rows) // shards
+    for device in range(shards):
+        expected = [piece[device * len(piece) // shards : (device + 1) * len(piece) // shards] for piece in (q, k, v)]
+        np.testing.assert_array_equal(rows[device * block : (device + 1) * block], np.concatenate(expected))
+    for got, piece in zip(fused.split(rows, (4, 2, 2), shards, axis=0), (q, k, v), strict=True):
+        np.testing.assert_array_equal(got, piece)
+    for got, piece in zip(fused.split(rows.T, (4, 2, 2), shards, axis=-1), (q, k, v), strict=True):
+        np.testing.assert_array_equal(got, piece.T)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jserve.errors import ModelLoadError
+from jserve.loader import load_model
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.parallel import tensor_parallel_config
 
@@ -56,6 +57,16 @@ def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     assert results[4]["num_kv_heads"] == 4
     vocab, hidden = 320, 64
     check_against_one_device(results, replicated_weight_bytes=vocab * hidden * 4 + 2 * 1024 * 4)
+
+
+def test_a_converted_folder_loads_sharded(tmp_path):
+    """`jserve convert` writes the checkpoint's tensors (fused q/k/v split back into q, k and v), so its folder
+    loads at any tensor-parallel size: qwen2's biased q/k/v with its 2 KV heads replicated over 4 devices."""
+    save_tiny_checkpoint(tmp_path / "hf", "qwen2")
+    load_model(tmp_path / "hf", "float32").save_orbax(tmp_path / "converted")
+    results = run_worker(str(tmp_path / "converted"), [1, 4])
+    assert results[4]["num_kv_heads"] == 4
+    check_against_one_device(results, replicated_weight_bytes=320 * 64 * 4 + 2 * 1024 * 4)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
