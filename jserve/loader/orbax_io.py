@@ -16,7 +16,7 @@ import numpy as np
 from jserve.config import ModelConfig
 from jserve.errors import ModelLoadError
 from jserve.loader.resolve import ORBAX_MARKER
-from jserve.loader.weights import abstract_module, checkpoint_tensors
+from jserve.loader.weights import abstract_module, checkpoint_tensors, leaves_by_name
 from jserve.models import CausalLM
 
 FORMAT_VERSION = 1
@@ -66,7 +66,7 @@ def read_orbax(folder: Path, config: ModelConfig, dtype: str) -> dict[str, np.nd
         raise ModelLoadError(
             f"{folder / 'params'}: cannot restore the Orbax checkpoint ({type(err).__name__}: {err})"
         ) from None
-    return {name: _get(restored, name) for name in shapes}
+    return leaves_by_name(restored)
 
 
 def _nested(tensors: dict[str, Any]) -> dict:
@@ -79,10 +79,4 @@ def _nested(tensors: dict[str, Any]) -> dict:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = tensor
-    return tree
-
-
-def _get(tree: dict, name: str):
-    for key in name.split("."):
-        tree = tree[int(key) if key.isdigit() else key]
     return tree

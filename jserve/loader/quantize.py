@@ -10,7 +10,7 @@ from functools import cache
 import jax
 from flax import nnx
 
-from jserve.loader.weights import abstract_model, param_name
+from jserve.loader.weights import abstract_model, leaves_by_name, param_name
 from jserve.models.quantization import quantize_rows, tile, tiles_weights
 from jserve.parallel import WeightPlacement
 
@@ -22,10 +22,9 @@ def quantize_model(
     weight, the weight in the CPU kernel's tiles where it will run them."""
     graphdef, abstract = abstract_model(placement.config, dtype, quantization, placement.shards)
     tiled = tiles_weights()
-    floats = {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    floats = leaves_by_name(params)
     done: dict[str, jax.Array] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-        name = param_name(path)
+    for name, leaf in leaves_by_name(abstract).items():
         if leaf.dtype == "int8":
             scale = name + "_scale"
             quantizer = _quantizer(placement.sharding(name), placement.sharding(scale), tiled)

@@ -41,50 +41,51 @@ def abstract_model(
     return nnx.split(abstract_module(config, dtype, quantization, shards))
 
 
-def expected_params(state: nnx.State) -> dict[str, jax.ShapeDtypeStruct]:
-    return {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+def leaves_by_name(tree) -> dict:
+    """A params tree's leaves (an nnx State, or nested dicts) by dotted name."""
+    return {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 @dataclass(frozen=True)
 class Piece:
-    """A checkpoint tensor that a fused parameter holds (q_proj's weight in qkv_proj's)."""
+    """A checkpoint tensor that a fused parameter holds (k_proj's weight in qkv_proj's)."""
 
     param: str
     index: int  # among the parameter's pieces
-    count: int
-
-
-def fused_linears(model: CausalLM) -> dict[str, Linear]:
-    """The model's fused projections by path ('layers.0.self_attn.qkv_proj')."""
-    return {".".join(map(str, path)): node for path, node in nnx.iter_graph(model)
-            if isinstance(node, Linear) and node.pieces}  # fmt: skip
+    widths: tuple[int, ...]  # every piece's rows
+    shards: int  # the tensor-parallel blocks the rows are ordered for (models/fused.py)
 
 
 def fused_pieces(model: CausalLM) -> dict[str, Piece]:
     """Each fused parameter's pieces by checkpoint name: 'layers.0.self_attn.k_proj.bias' ->
-    Piece('layers.0.self_attn.qkv_proj.bias', 1, 3)."""
+    Piece('layers.0.self_attn.qkv_proj.bias', 1, (q rows, k rows, v rows), shards)."""
     pieces = {}
-    for path, linear in fused_linears(model).items():
-        for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
-            for index, (name, _) in enumerate(linear.pieces):
-                pieces[f"{path.rpartition('.')[0]}.{name}.{kind}"] = Piece(f"{path}.{kind}", index, len(linear.pieces))
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and node.pieces:
+            fused, names, widths = ".".join(map(str, path)), *zip(*node.pieces, strict=True)
+            for kind in ("weight", "bias") if node.bias is not None else ("weight",):
+                for index, name in enumerate(names):
+                    piece = Piece(f"{fused}.{kind}", index, widths, node.shards)
+                    pieces[f"{fused.rpartition('.')[0]}.{name}.{kind}"] = piece
     return pieces
 
 
 def checkpoint_tensors(model: CausalLM) -> dict[str, jax.ShapeDtypeStruct | np.ndarray]:
     """The model's params as a checkpoint names them, each fused one as its pieces: of an abstract model their
     shapes, of a loaded one host arrays (gathered from their devices)."""
-    tensors = expected_params(nnx.state(model))
-    for path, linear in fused_linears(model).items():
-        names, widths = zip(*linear.pieces, strict=True)
-        for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
-            fused = tensors.pop(f"{path}.{kind}")
-            if isinstance(fused, jax.ShapeDtypeStruct):
-                pieces = [jax.ShapeDtypeStruct((width, *fused.shape[1:]), fused.dtype) for width in widths]
-            else:
-                pieces = fused_split(np.asarray(fused), widths, linear.shards, axis=0)
-            parent = path.rpartition(".")[0]
-            tensors.update((f"{parent}.{name}.{kind}", piece) for name, piece in zip(names, pieces, strict=True))
+    tensors = leaves_by_name(nnx.state(model))
+    pieces = fused_pieces(model)
+    split: dict[str, list[np.ndarray]] = {}  # each fused param's pieces, split once
+    for name, piece in pieces.items():
+        fused = tensors[piece.param]
+        if isinstance(fused, jax.ShapeDtypeStruct):
+            tensors[name] = jax.ShapeDtypeStruct((piece.widths[piece.index], *fused.shape[1:]), fused.dtype)
+        else:
+            if piece.param not in split:
+                split[piece.param] = fused_split(np.asarray(fused), piece.widths, piece.shards, axis=0)
+            tensors[name] = split[piece.param][piece.index]
+    for piece in pieces.values():
+        tensors.pop(piece.param, None)
     return tensors
 
 
@@ -123,7 +124,7 @@ def assemble(
             loaded[key] = placement.put(key, array)
             continue
         piece = pieces[key]
-        parts = waiting.setdefault(piece.param, [None] * piece.count)
+        parts = waiting.setdefault(piece.param, [None] * len(piece.widths))
         parts[piece.index] = replicate_kv_heads(key, array, placement.original, config)
         if all(part is not None for part in parts):
             loaded[piece.param] = placement.put(piece.param, fuse(waiting.pop(piece.param), shards))
