@@ -18,8 +18,15 @@ def mixed_workload():
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=25, ignore_eos=True),
         SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=20, n=3, ignore_eos=True),
-        SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3,
-                       seed=5, max_tokens=20, ignore_eos=True),  # fmt: skip
+        SamplingParams(
+            temperature=0.7,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            seed=5,
+            max_tokens=20,
+            ignore_eos=True,
+        ),  # fmt: skip
         SamplingParams(temperature=0, max_tokens=20, logprobs=3),
         SamplingParams(temperature=0, max_tokens=40, min_tokens=10, stop_token_ids=[1, 2, 3, 4, 5, 6, 7, 8]),
         SamplingParams(temperature=0.8, seed=6, max_tokens=40, stop=["a", "e"]),  # stop strings end it early

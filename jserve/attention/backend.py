@@ -70,10 +70,7 @@ class AttentionBackend:
 # arguments' shapes are the same): start-up tracing was mostly this, 30 times over. XLA inlines it again.
 @partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
 def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
-    if jax.default_backend() == "cpu" and cpu_kernels.available():
-        pages = KVPages(*cpu_kernels.write_kv(pages.k, pages.v, k, v, meta.slot_mapping))
-    else:
-        pages = write_kv(pages, k, v, meta.slot_mapping)
+    pages = _write_kv(pages, k, v, meta.slot_mapping)
     kernel = backend.kernel
     if kernel == "cpu" and not cpu_kernels.supports(pages.k.dtype, pages.k.shape[-1]):
         kernel = "reference"
@@ -90,6 +87,15 @@ def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale,
     out = attend(q, pages.k, pages.v, meta.context_lens, meta.page_tables, meta.query_start_loc,
                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
     return out, pages
+
+
+def _write_kv(pages: KVPages, k, v, slots) -> KVPages:
+    """XLA's scatter; in a step lowered for the CPU, jserve's C++ write where it is built. Chosen by the
+    platform the step is lowered for, not the host's default, so a CPU host can lower a GPU step."""
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():  # no C++ build on accelerator hosts
+        return write_kv(pages, k, v, slots)
+    cpu = lambda pages, k, v, slots: KVPages(*cpu_kernels.write_kv(pages.k, pages.v, k, v, slots))  # noqa: E731
+    return jax.lax.platform_dependent(pages, k, v, slots, cpu=cpu, default=write_kv)
 
 
 REFERENCE = AttentionBackend()
