@@ -13,20 +13,13 @@ def mixed_workload():
     """Prompts and per-request params exercising everything that reads or ends a sequence mid-flight."""
     system = prompts(1, seed=40, low=40, high=41)[0]  # a shared prefix: prefix-cache hits
     batch = prompts(14, seed=41, low=3, high=70) + [system + p for p in prompts(4, seed=42, low=3, high=20)]
+    penalties = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3}
     params = [
         SamplingParams(temperature=0, max_tokens=1),  # ends in its first step
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=25, ignore_eos=True),
         SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=20, n=3, ignore_eos=True),
-        SamplingParams(
-            temperature=0.7,
-            repetition_penalty=1.3,
-            frequency_penalty=0.5,
-            presence_penalty=0.3,
-            seed=5,
-            max_tokens=20,
-            ignore_eos=True,
-        ),  # fmt: skip
+        SamplingParams(temperature=0.7, **penalties, seed=5, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=20, logprobs=3),
         SamplingParams(temperature=0, max_tokens=40, min_tokens=10, stop_token_ids=[1, 2, 3, 4, 5, 6, 7, 8]),
         SamplingParams(temperature=0.8, seed=6, max_tokens=40, stop=["a", "e"]),  # stop strings end it early
