@@ -77,11 +77,10 @@ class Work:
     bytes: float
     flops: float
 
-    def seconds(self, roof: Roof) -> float:
-        return max(self.bytes / roof.bytes_per_s, self.flops / roof.flops_per_s)
-
-    def bound(self, roof: Roof) -> str:
-        return "memory" if self.bytes / roof.bytes_per_s >= self.flops / roof.flops_per_s else "compute"
+    def bound(self, roof: Roof) -> tuple[float, str]:
+        """(seconds at the roofline, what bounds them: "memory" or "compute")."""
+        memory, compute = self.bytes / roof.bytes_per_s, self.flops / roof.flops_per_s
+        return (memory, "memory") if memory >= compute else (compute, "compute")
 
 
 @dataclass(frozen=True)
@@ -262,9 +261,10 @@ def main() -> None:
     runs: dict[tuple[str, int], list[Timing]] = {p: [] for p in phases}
     for _ in range(args.repeats):  # alternated, so drifting machine load hits every phase alike
         for kind, n in phases:
-            run = time_decode(llm, n, args.context, args.decode_steps, rng) if kind == "decode" else (
-                time_prefill(llm, n, args.context, rng))  # fmt: skip
-            runs[kind, n].append(run)
+            if kind == "decode":
+                runs[kind, n].append(time_decode(llm, n, args.context, args.decode_steps, rng))
+            else:
+                runs[kind, n].append(time_prefill(llm, n, args.context, rng))
 
     print(f"{device.device_kind}; {args.model or 'default model'}, {llm.engine.model.dtype.name} "
           f"{args.quantization}, K/V {llm.engine.config.kv_cache_dtype}, attention "
@@ -285,8 +285,9 @@ def main() -> None:
         line = (f"{kind + ' ' + str(n):16} {rate:9.1f} {1000 * timing.seconds / steps:8.2f} "
                 f"{1000 * timing.device_s / steps:9.2f} {1000 * timing.host_s / steps:8.2f}")  # fmt: skip
         for roof in roofs:
-            best = work_tokens / work.seconds(roof)
-            line += f" {best:11.1f} {100 * rate / best:6.1f}% {work.bound(roof):>8}"
+            seconds, bound = work.bound(roof)
+            best = work_tokens / seconds
+            line += f" {best:11.1f} {100 * rate / best:6.1f}% {bound:>8}"
         print(line)
 
 

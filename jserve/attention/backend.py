@@ -94,8 +94,11 @@ def _write_kv(pages: KVPages, k, v, slots) -> KVPages:
     platform the step is lowered for, not the host's default, so a CPU host can lower a GPU step."""
     if jax.default_backend() != "cpu" or not cpu_kernels.available():  # no C++ build on accelerator hosts
         return write_kv(pages, k, v, slots)
-    cpu = lambda pages, k, v, slots: KVPages(*cpu_kernels.write_kv(pages.k, pages.v, k, v, slots))  # noqa: E731
-    return jax.lax.platform_dependent(pages, k, v, slots, cpu=cpu, default=write_kv)
+    return jax.lax.platform_dependent(pages, k, v, slots, cpu=_cpu_write_kv, default=write_kv)
+
+
+def _cpu_write_kv(pages: KVPages, k, v, slots) -> KVPages:
+    return KVPages(*cpu_kernels.write_kv(pages.k, pages.v, k, v, slots))
 
 
 REFERENCE = AttentionBackend()
