@@ -6,7 +6,6 @@ lowering there, that the Pallas kernel is in it, and that nothing CPU-only (jser
 is the program `benchmarks/roofline.py --model random:llama3-8b` runs on a GPU.
 """
 
-from contextlib import nullcontext
 from functools import partial
 
 import jax
@@ -20,6 +19,8 @@ from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import abstract_model
 from jserve.models.quantization import QUANTIZATIONS
 
+from accelerators import lowering_for
+
 # lowering platform -> (the platform the engine resolves its backend for, the Pallas kernel's custom call)
 PLATFORMS = {"cuda": ("gpu", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
 
@@ -28,14 +29,6 @@ PLATFORMS = {"cuda": ("gpu", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom
 def runner(tiny_llama_checkpoint):
     folder, _ = tiny_llama_checkpoint
     return LLM(str(folder), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256).engine.runner
-
-
-def lowering_context(platform: str):
-    """Mosaic reads the TPU's generation from the mesh's device: an abstract v5e stands in."""
-    if platform != "tpu":
-        return nullcontext()
-    tpu = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=tpu))
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
@@ -55,7 +48,7 @@ def test_an_8b_step_lowers_for_the_accelerator(runner, platform, quantization):
     for bucket in (1, runner.config.token_buckets[-1]):  # a lone decode, and a full mixed step
         step = runner.prepare([], bucket)
         args = (graphdef, attention, params_def, params, kv_cache, penalties, runner.sampled, step)
-        with lowering_context(platform):
+        with lowering_for(platform):
             text = runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
         assert kernel_call in text
         assert "jserve_" not in text  # no C++ kernel (K/V write, int8 projection, attention) off the CPU

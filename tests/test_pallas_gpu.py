@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels.gpu import ragged_paged_attention
 
+from accelerators import lowering_for
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
 
 # Each line covers some of: batch kind, page size, head_dim, GQA ratio (heads / kv heads), dtype, extras.
@@ -71,5 +72,6 @@ def test_kernel_lowers_to_triton(heads, kv_heads, head_dim, dtype, window, soft_
         jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
     )
     kernel = partial(ragged_paged_attention, scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    text = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with lowering_for("cuda"):
+        text = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2  # the prefill and the split-KV decode kernel

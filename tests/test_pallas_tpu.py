@@ -9,6 +9,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu import ragged_paged_attention
 
+from accelerators import lowering_for
 from attention_cases import BATCHES, LONE_DECODE, MIXED, assert_matches_reference, make_case
 
 QUERIES_PER_BLOCK = 8  # small blocks: chunks span several rows, contexts several KV blocks
@@ -83,7 +84,6 @@ def test_lowers_to_mosaic_for_tpu(dtype, kv_heads):
     """Pallas -> Mosaic lowering for a TPU (v5e) succeeds on CPU; Mosaic's own compilation needs a TPU."""
     case = make_case(MIXED, heads=4 * kv_heads, kv_heads=kv_heads, head_dim=128, dtype=dtype)
     attention = functools.partial(ragged_paged_attention, scale=0.1, sliding_window=64, soft_cap=30.0)
-    tpu = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=tpu)):
+    with lowering_for("tpu"):
         exported = jax.export.export(jax.jit(attention), platforms=["tpu"])(*case.kernel_args())
     assert "tpu_custom_call" in exported.mlir_module()
