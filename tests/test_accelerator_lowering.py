@@ -21,8 +21,9 @@ from jserve.models.quantization import QUANTIZATIONS
 
 from accelerators import lowering_for
 
+TRITON_CALL, MOSAIC_GPU_CALL = "__gpu$xla.gpu.triton", "stablehlo.custom_call @mosaic_gpu"
 # lowering platform -> (the platform the engine resolves its backend for, the Pallas kernel's custom call)
-PLATFORMS = {"cuda": ("gpu", "__gpu$xla.gpu.triton"), "tpu": ("tpu", "tpu_custom_call")}
+PLATFORMS = {"cuda": ("gpu", TRITON_CALL), "tpu": ("tpu", "tpu_custom_call")}
 
 
 @pytest.fixture(scope="module")
@@ -31,25 +32,40 @@ def runner(tiny_llama_checkpoint):
     return LLM(str(folder), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256).engine.runner
 
 
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-@pytest.mark.parametrize("platform", PLATFORMS)
-def test_an_8b_step_lowers_for_the_accelerator(runner, platform, quantization):
+def lower_step(runner, platform: str, attention, quantization: str = "none", dtype=jnp.bfloat16) -> list[str]:
+    """The lowered text of the runner's step for an 8B-shaped Llama: a lone decode, and a full mixed step."""
     config = MODEL_SHAPES["llama3-8b"]
-    graphdef, abstract = abstract_model(config, jnp.bfloat16, quantization)
+    graphdef, abstract = abstract_model(config, dtype, quantization)
     params, params_def = jax.tree_util.tree_flatten(abstract)
     page_shape = (runner.config.num_pages, runner.config.page_size, config.num_kv_heads, config.head_dim)
-    pages = jax.ShapeDtypeStruct(page_shape, jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct(page_shape, dtype)
     kv_cache = (KVPages(pages, pages),) * config.num_layers
     penalties = jax.eval_shape(partial(init_penalty_state, runner.config.max_num_seqs, config.vocab_size))
-    backend_platform, kernel_call = PLATFORMS[platform]
-    attention = resolve_attention_backend("auto", platform=backend_platform)
-    assert attention.kernel == f"pallas-{backend_platform}" and not attention.interpret
-
-    for bucket in (1, runner.config.token_buckets[-1]):  # a lone decode, and a full mixed step
+    texts = []
+    for bucket in (1, runner.config.token_buckets[-1]):
         step = runner.prepare([], bucket)
         args = (graphdef, attention, params_def, params, kv_cache, penalties, runner.sampled, step)
         with lowering_for(platform):
-            text = runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+            texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
+    return texts
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_an_8b_step_lowers_for_the_accelerator(runner, platform, quantization):
+    backend_platform, kernel_call = PLATFORMS[platform]
+    attention = resolve_attention_backend("auto", platform=backend_platform)
+    assert attention.kernel == f"pallas-{backend_platform}" and not attention.interpret
+    for text in lower_step(runner, platform, attention, quantization):
         assert kernel_call in text
         assert "jserve_" not in text  # no C++ kernel (K/V write, int8 projection, attention) off the CPU
         assert ("xi8>" in text) == (quantization != "none")  # int8 weights stay int8 on the device
+
+
+@pytest.mark.parametrize("dtype,kernel_call", [(jnp.bfloat16, MOSAIC_GPU_CALL), (jnp.float32, TRITON_CALL)])
+def test_the_mosaic_gpu_backend_lowers_its_kernel_or_falls_back_to_triton(runner, dtype, kernel_call):
+    """bfloat16 pages take the Hopper kernel; float32 ones, which WGMMA cannot multiply exactly, the Triton one."""
+    attention = resolve_attention_backend("pallas-mosaic-gpu", platform="gpu")
+    other = TRITON_CALL if kernel_call == MOSAIC_GPU_CALL else MOSAIC_GPU_CALL
+    for text in lower_step(runner, "cuda", attention, dtype=dtype):
+        assert kernel_call in text and other not in text

@@ -1,11 +1,13 @@
 """Choosing the attention backend, and the engine running on the Pallas kernels (interpret mode on CPU)."""
 
+import jax
 import numpy as np
 import pytest
 
 from jserve import SamplingParams, cpu_kernels
 from jserve.attention import CPU, REFERENCE, AttentionBackend, resolve_attention_backend
 from jserve.loader import load_model
+from pallas_kernels.mosaic_gpu.ragged_paged_attention import plgpu
 
 from test_engine import GREEDY, prompts, tiny_llm, token_ids
 from tiny_models import (
@@ -27,6 +29,8 @@ from tiny_models import (
         ("auto", "tpu", AttentionBackend("pallas-tpu")),
         ("reference", "gpu", REFERENCE),
         ("pallas", "cpu", AttentionBackend("pallas-gpu", interpret=True)),
+        ("pallas-mosaic-gpu", "gpu", AttentionBackend("pallas-mosaic-gpu")),
+        ("pallas-mosaic-gpu", "cpu", AttentionBackend("pallas-mosaic-gpu", interpret=True)),
     ],
 )
 def test_backend_resolution(name, platform, expected):
@@ -38,6 +42,8 @@ def test_unknown_backend_is_rejected():
         resolve_attention_backend("flash")
     with pytest.raises(ValueError, match="CPU only"):
         resolve_attention_backend("cpu", "gpu")
+    with pytest.raises(ValueError, match="NVIDIA GPUs"):
+        resolve_attention_backend("pallas-mosaic-gpu", "tpu")
 
 
 def test_auto_falls_back_to_the_reference_without_a_compiler(monkeypatch):
@@ -82,3 +88,19 @@ def test_model_logits_through_each_kernel_match_transformers(tmp_path, kernel):
     backend = AttentionBackend(kernel, interpret=kernel.startswith("pallas"))
     logits = jserve_prompt_logits(load_model(tmp_path, dtype="float32"), prompt, backend)
     np.testing.assert_allclose(logits, reference_logits(hf_model, prompt), atol=1e-4)
+
+
+@pytest.mark.skipif(
+    not hasattr(plgpu, "InterpretGPUParams"),
+    reason=f"Pallas' GPU interpreter runs the Mosaic GPU kernel from jax 0.11 on; this is jax {jax.__version__}",
+)
+def test_model_logits_through_the_mosaic_gpu_kernel_match_the_reference(tmp_path):
+    """The Hopper kernel inside a bfloat16 model (interpreted): prompt logits as the reference backend's, to
+    bfloat16's rounding (measured 0.117 apart, as the Triton kernel's; a wrong mask or scale is off by ~1)."""
+    save_tiny_checkpoint(tmp_path, "qwen3", head_dim=64)  # a head_dim the kernel takes (else: Triton)
+    model = load_model(tmp_path, dtype="bfloat16")
+    prompt = prompts(1, seed=5, low=40, high=41)[0]
+    logits = jserve_prompt_logits(model, prompt, AttentionBackend("pallas-mosaic-gpu", interpret=True))
+    reference = jserve_prompt_logits(model, prompt)
+    assert np.abs(reference).max() > 4  # logits of some size: the tolerance is four bfloat16 steps at 8-16
+    np.testing.assert_allclose(logits, reference, atol=0.25)

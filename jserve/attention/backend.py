@@ -11,6 +11,10 @@ Backends:
               of the usual head dims, others take the reference).
   pallas      the kernels of `pallas_kernels`: the Triton-lowered kernel on GPUs, the Mosaic kernel on
               TPUs; on CPU the GPU kernel in Pallas interpret mode (slow: for tests).
+  pallas-mosaic-gpu
+              the Hopper kernel lowered through Mosaic GPU (`pallas_kernels.mosaic_gpu`; bfloat16/float16
+              pages, head_dim 64 or 128; other models take the Triton kernel); on CPU in Pallas' GPU
+              interpret mode (jax >= 0.11). Not yet the default: it has not run on hardware.
   auto        pallas on GPU and TPU; on CPU the cpu kernel, or the reference where it cannot be built.
 The K/V write is an XLA scatter, in place with the cache donated; on a CPU with jserve's kernels it is
 `cpu_kernels.write_kv` instead, for every backend (XLA:CPU scatters into bfloat16 pages by converting the
@@ -32,14 +36,14 @@ from jserve.attention.metadata import AttentionMetadata
 from jserve.attention.reference import paged_attention, write_kv
 from jserve.parallel import MODEL_AXIS, kv_cache_spec
 
-ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-mosaic-gpu")
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     """A hashable attention implementation: it is a static argument of the jitted step."""
 
-    kernel: str = "reference"  # "reference", "cpu", "pallas-gpu" or "pallas-tpu"
+    kernel: str = "reference"  # "reference", "cpu", "pallas-gpu", "pallas-mosaic-gpu" or "pallas-tpu"
     interpret: bool = False  # run the Pallas kernel in interpret mode (on CPU)
     mesh: Mesh | None = None  # tensor parallelism: each device attends its own heads (shard_map)
 
@@ -74,6 +78,11 @@ def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale,
     kernel = backend.kernel
     if kernel == "cpu" and not cpu_kernels.supports(pages.k.dtype, pages.k.shape[-1]):
         kernel = "reference"
+    if kernel == "pallas-mosaic-gpu":
+        from pallas_kernels import mosaic_gpu
+
+        if not mosaic_gpu.supports(pages.k.dtype, page_size=pages.k.shape[1], head_dim=pages.k.shape[-1]):
+            kernel = "pallas-gpu"
     if kernel == "reference":
         return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
     if kernel == "cpu":
@@ -81,6 +90,8 @@ def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale,
     else:
         if kernel == "pallas-gpu":
             from pallas_kernels.gpu import ragged_paged_attention
+        elif kernel == "pallas-mosaic-gpu":
+            from pallas_kernels.mosaic_gpu import ragged_paged_attention
         else:
             from pallas_kernels.tpu import ragged_paged_attention
         attend = partial(ragged_paged_attention, interpret=backend.interpret)
@@ -124,6 +135,10 @@ def _backend_for(name: str, platform: str | None) -> AttentionBackend:
         return CPU if name == "cpu" or cpu_kernels.available() else REFERENCE
     if name == "reference":
         return REFERENCE
+    if name == "pallas-mosaic-gpu":
+        if platform == "tpu":
+            raise ValueError("attention_backend 'pallas-mosaic-gpu' runs on NVIDIA GPUs (and interpreted on CPU)")
+        return AttentionBackend("pallas-mosaic-gpu", interpret=platform == "cpu")
     if platform == "tpu":
         return AttentionBackend("pallas-tpu")
     return AttentionBackend("pallas-gpu", interpret=platform == "cpu")

@@ -22,7 +22,8 @@ How work maps onto the GPU
   i + 1's pages are in flight while block i is multiplied.
 - Scores are WGMMA (Q from SMEM, K^T from SMEM) into a float32 accumulator; scaling, soft-cap,
   causal / sliding-window masks and the online softmax (running max, denominator, rescaled output)
-  are float32 in registers (WGMMA layout); P goes back to the input dtype for the P @ V WGMMA.
+  are float32 in registers (WGMMA layout); P goes back to the input dtype, through SMEM, for the
+  P @ V WGMMA.
 - Decode rows are split-KV (flash-decoding): each of `kv_splits` programs writes a float32 partial
   with its log-sum-exp and XLA merges them, so few long sequences still fill the GPU's 132 SMs.
   Prefill rows walk their whole context in one program and write normalised outputs.
@@ -30,7 +31,9 @@ How work maps onto the GPU
   the causal end of its last token.
 
 WGMMA takes 16-bit (or 8-bit) inputs: this kernel serves float16 and bfloat16 pages; float32 is
-refused (Hopper's f32 WGMMA is TF32, which would not honour float32 accuracy).
+refused (Hopper's f32 WGMMA is TF32, which would not honour float32 accuracy). Shapes Mosaic GPU
+cannot lower are refused up front: head_dim and K/V blocks (pages_per_block * page_size) must be
+multiples of 64 (head_dim 64 and 128 fit the SMEM).
 
 Status: tested in Pallas' GPU interpret mode against the reference, and lowered for CUDA (sm90);
 not yet run on hardware.
@@ -56,13 +59,19 @@ ROW_FIELDS = 4  # row metadata: first token, number of tokens, first token's pos
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def interpret_params():
-    """Pallas' GPU interpret-mode parameters (public from jax 0.11; a private module in 0.10)."""
-    if plgpu is not None and hasattr(plgpu, "InterpretGPUParams"):
-        return plgpu.InterpretGPUParams()
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # jax 0.10
+def supports(dtype, *, page_size: int, head_dim: int) -> bool:
+    """Whether pages of this dtype and shape lower with the default K/V blocks (others are refused)."""
+    return (
+        plgpu is not None
+        and jnp.dtype(dtype) in SUPPORTED_DTYPES
+        and head_dim in (64, 128)
+        and page_size % 8 == 0
+        and _default_pages_per_block(page_size) * page_size % 64 == 0
+    )
 
-    return InterpretGPUParams()
+
+def _default_pages_per_block(page_size: int) -> int:
+    return max(1, 64 // page_size)  # 64-key K/V blocks
 
 
 def ragged_paged_attention(
@@ -103,7 +112,7 @@ def ragged_paged_attention(
         raise ValueError(f"need heads % kv_heads == 0, tile_rows % 64 == 0 and group <= tile_rows: "
                          f"{num_heads=} {num_kv_heads=} {tile_rows=}")  # fmt: skip
     if pages_per_block is None:
-        pages_per_block = max(1, 64 // page_size)  # 64-key K/V blocks
+        pages_per_block = _default_pages_per_block(page_size)
     block_k = pages_per_block * page_size
     # What Mosaic GPU lowers (checked by lowering): WGMMA operands in 128-byte swizzled SMEM rows.
     if head_dim % 64 or block_k % 64 or page_size % 8:
@@ -201,7 +210,18 @@ def _merge_splits(partials: jax.Array, lse: jax.Array) -> jax.Array:
 
 
 def _attend_rows(
-    q, k_pages, v_pages, tables, rows, *, kv_splits, blocks_per_split, out_dtype, group, tile_rows, interpret,
+    q,
+    k_pages,
+    v_pages,
+    tables,
+    rows,
+    *,
+    kv_splits,
+    blocks_per_split,
+    out_dtype,
+    group,
+    tile_rows,
+    interpret,
     **kernel_kw,
 ):
     """Run the kernel over rows x kv heads x splits: (outputs [R, KVH, splits, M, D], lse [R, KVH, splits, M])."""
@@ -226,10 +246,10 @@ def _attend_rows(
         plgpu.Barrier(num_arrivals=kernel_kw["pages_per_block"], num_barriers=2),  # a V block has landed
     )
     if interpret is True:
-        interpret = interpret_params()
-    kernel = functools.partial(
-        _tile_kernel, group=group, blocks_per_split=blocks_per_split, layouts=not interpret, **kernel_kw
-    )
+        if not hasattr(plgpu, "InterpretGPUParams"):  # jax 0.10's interpreter cannot read a transposed view
+            raise NotImplementedError(f"Pallas' GPU interpreter runs this kernel from jax 0.11, not {jax.__version__}")
+        interpret = plgpu.InterpretGPUParams()
+    kernel = functools.partial(_tile_kernel, group=group, blocks_per_split=blocks_per_split, **kernel_kw)
     return plgpu.kernel(
         kernel,
         out_type=out_types,
@@ -271,7 +291,6 @@ def _tile_kernel(
     pages_per_block: int,
     blocks_per_split: int,
     group: int,
-    layouts: bool,
 ):
     row, kv_head, split = lax.axis_index("row"), lax.axis_index("kv_head"), lax.axis_index("split")
     count, first_pos, seq = rows_ref[row, 1], rows_ref[row, 2], rows_ref[row, 3]
@@ -301,19 +320,14 @@ def _tile_kernel(
 
     plgpu.barrier_wait(q_barrier.at[0])
 
-    # Register arrays live in WGMMA's accumulator layout (rows: its row-reduced form). The layouts only
-    # matter to the compiler; the interpreter of jax 0.10 knows no layout casts, so interpreting skips them.
+    # Register arrays live in WGMMA's accumulator layout (row statistics: its row-reduced form).
     layout = plgpu.Layout.WGMMA
 
     def iota(dimension):
-        shape = (tile_rows, block_k)
-        if layouts:
-            return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=layout)
-        return lax.broadcasted_iota(jnp.int32, shape, dimension)
+        return plgpu.broadcasted_iota(jnp.int32, (tile_rows, block_k), dimension, layout=layout)
 
     def full(shape, value, layout):
-        x = jnp.full(shape, value, jnp.float32)
-        return plgpu.layout_cast(x, layout) if layouts else x
+        return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
 
     # Tile row m is query token m // group of the row: its position, or -1 (attends to nothing) for padding.
     m = iota(0)
