@@ -72,15 +72,19 @@ def test_a_converted_folder_loads_sharded(tmp_path):
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 def test_int8_weights_at_tp_2(tmp_path, quantization):
     """int8 projections split like float ones (scales with their rows), so TP 2 gives one device's tokens.
-    int8's row-parallel layers add int32 partial sums across devices, exactly. w8a8's add float ones (its
-    XLA form is a float matmul of the rounded activations): a last-bit difference can move a later
-    activation across a digit's rounding edge, a step of 1/127 of its group's largest value, so logits
-    agree to about 1 % of their range (measured 0.09 of 9.5), not to the last bit."""
+    int8's row-parallel layers add int32 partial sums across devices, exactly, but its activation digits
+    are round(x / s), and XLA compiles such divisions as x · (1 / s) in some programs (jax 0.12's TP 2 step
+    here, seen in its optimized HLO) and not in others: a value on a rounding tie takes the neighbouring
+    coarse digit and its fine digit absorbs the difference, so logits agree to ~1e-4 of their range
+    (measured 6.4e-4; bit-exact on jax 0.10). w8a8's one digit absorbs nothing, and it adds float partial
+    sums (its XLA form is a float matmul of the rounded activations): a last-bit difference can move a later
+    activation across a digit's rounding edge, a step of 1/127 of its group's largest value, so its logits
+    agree to about 1 % of their range (measured 0.09 of 9.5)."""
     save_tiny_checkpoint(tmp_path, "qwen3")
     results = run_worker(str(tmp_path), [1, 2], quantization=quantization)
     assert results[2]["tokens"] == results[1]["tokens"]
     one = np.asarray(results[1]["logits"])
-    tolerance = 1e-4 if quantization == "int8" else 0.03 * np.abs(one).max()
+    tolerance = (1e-3 if quantization == "int8" else 0.03) * np.abs(one).max()
     np.testing.assert_allclose(results[2]["logits"], one, atol=tolerance)
     assert max(results[2]["weight_bytes"][:2]) < 0.6 * results[1]["weight_bytes"][0]
 
