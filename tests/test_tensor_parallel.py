@@ -72,14 +72,14 @@ def test_a_converted_folder_loads_sharded(tmp_path):
 @pytest.mark.parametrize("quantization", ["int8", "w8a8"])
 def test_int8_weights_at_tp_2(tmp_path, quantization):
     """int8 projections split like float ones (scales with their rows), so TP 2 gives one device's tokens.
-    int8's row-parallel layers add int32 partial sums across devices, exactly, but its activation digits
-    are round(x / s), and XLA compiles such divisions as x · (1 / s) in some programs (jax 0.12's TP 2 step
-    here, seen in its optimized HLO) and not in others: a value on a rounding tie takes the neighbouring
-    coarse digit and its fine digit absorbs the difference, so logits agree to ~1e-4 of their range
-    (measured 6.4e-4; bit-exact on jax 0.10). w8a8's one digit absorbs nothing, and it adds float partial
-    sums (its XLA form is a float matmul of the rounded activations): a last-bit difference can move a later
-    activation across a digit's rounding edge, a step of 1/127 of its group's largest value, so its logits
-    agree to about 1 % of their range (measured 0.09 of 9.5)."""
+    int8's row-parallel layers add int32 partial sums across devices (s32 all-reduces), and on jax 0.10 and
+    0.11 its TP 2 logits equal TP 1's bit for bit (float32's differ by 1.4e-5). On jax 0.12 they differ by up
+    to 6.4e-4 of a range of 9.4, tokens equal: some activation lands on the neighbouring fine digit (a step
+    of max|x| / 127² of its row); computing the digits as x · (127 / m) instead of x / s did not change
+    that. So int8 is held to 1e-3 of the range. w8a8 adds float partial sums (its XLA form is a float
+    matmul of the rounded activations), and its one digit absorbs nothing: a last-bit difference can move
+    a later activation across a digit's rounding edge, a step of 1/127 of its group's largest value, so
+    its logits agree to about 1 % of their range (measured 0.09 of 9.5)."""
     save_tiny_checkpoint(tmp_path, "qwen3")
     results = run_worker(str(tmp_path), [1, 2], quantization=quantization)
     assert results[2]["tokens"] == results[1]["tokens"]
