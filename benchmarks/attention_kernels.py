@@ -5,7 +5,8 @@ Decode: `--seqs` sequences with one new token and `--context` tokens each; repor
 (every context token's K and V, once). Prefill: the same sequences each with a `--chunk`-token chunk
 ending at `--context`; reports TFLOP/s counting only unmasked (causal) query-key pairs.
 
-    python benchmarks/attention_kernels.py --shape llama3-8b --seqs 64 --context 2048 --chunk 512
+    python benchmarks/attention_kernels.py --shape llama3-8b --seqs 64 --context 2048 --chunk 512 \
+        --backends pallas pallas-mosaic-gpu reference                                  # GPU: Triton, Mosaic
     python benchmarks/attention_kernels.py --shape smollm2-135m --dtype float32 --backends cpu reference \
         --seqs 64 --context 200 --chunk 128                                            # CPU
 """
@@ -21,7 +22,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.attention import AttentionBackend, KVPages, SequenceChunk, build_model_input, resolve_attention_backend
+from jserve.attention import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    KVPages,
+    SequenceChunk,
+    build_model_input,
+    resolve_attention_backend,
+)
 
 # (query heads, kv heads, head_dim) of one layer
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "smollm2-135m": (9, 3, 64)}
@@ -74,7 +82,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument(
-        "--backends", nargs="+", default=["pallas", "reference"], choices=["cpu", "pallas", "reference"]
+        "--backends", nargs="+", default=["pallas", "reference"], choices=[b for b in ATTENTION_BACKENDS if b != "auto"]
     )
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
