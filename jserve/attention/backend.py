@@ -24,6 +24,7 @@ whole cache to float32 and back).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from functools import partial
 
@@ -75,29 +76,41 @@ class AttentionBackend:
 @partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
 def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
     pages = _write_kv(pages, k, v, meta.slot_mapping)
-    kernel = backend.kernel
-    if kernel == "cpu" and not cpu_kernels.supports(pages.k.dtype, pages.k.shape[-1]):
-        kernel = "reference"
-    if kernel == "pallas-mosaic-gpu":
-        from pallas_kernels import mosaic_gpu
-
-        if not mosaic_gpu.supports(pages.k.dtype, page_size=pages.k.shape[1], head_dim=pages.k.shape[-1]):
-            kernel = "pallas-gpu"
+    kernel = _kernel_for(backend.kernel, pages.k)
     if kernel == "reference":
         return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
     if kernel == "cpu":
         attend = cpu_kernels.ragged_paged_attention
     else:
-        if kernel == "pallas-gpu":
-            from pallas_kernels.gpu import ragged_paged_attention
-        elif kernel == "pallas-mosaic-gpu":
-            from pallas_kernels.mosaic_gpu import ragged_paged_attention
-        else:
-            from pallas_kernels.tpu import ragged_paged_attention
-        attend = partial(ragged_paged_attention, interpret=backend.interpret)
+        attend = partial(_pallas_kernels(kernel).ragged_paged_attention, interpret=backend.interpret)
     out = attend(q, pages.k, pages.v, meta.context_lens, meta.page_tables, meta.query_start_loc,
                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
     return out, pages
+
+
+# Imported when first used: each pulls in its Pallas backend.
+PALLAS_MODULES = {
+    "pallas-gpu": "pallas_kernels.gpu",
+    "pallas-mosaic-gpu": "pallas_kernels.mosaic_gpu",
+    "pallas-tpu": "pallas_kernels.tpu",
+}
+
+
+def _pallas_kernels(kernel: str):
+    return importlib.import_module(PALLAS_MODULES[kernel])
+
+
+def _kernel_for(kernel: str, pages: jax.Array) -> str:
+    """The kernel that runs on these pages [P, page_size, kv_heads, head_dim]: one that does not take their
+    dtype or shape hands them to the nearest that does."""
+    page_size, head_dim = pages.shape[1], pages.shape[-1]
+    if kernel == "cpu" and not cpu_kernels.supports(pages.dtype, head_dim):
+        return "reference"
+    if kernel == "pallas-mosaic-gpu" and not _pallas_kernels(kernel).supports(
+        pages.dtype, page_size=page_size, head_dim=head_dim
+    ):
+        return "pallas-gpu"
+    return kernel
 
 
 def _write_kv(pages: KVPages, k, v, slots) -> KVPages:
