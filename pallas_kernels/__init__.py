@@ -1,5 +1,4 @@
-"""Pallas paged-attention kernels for GPU and TPU.
+"""Pallas ragged paged-attention kernels: gpu/ (Triton), mosaic_gpu/ (Hopper, Mosaic GPU), tpu/ (Mosaic).
 
-They implement the contract of `jserve.attention.paged_attention` (the plain-JAX reference, used on CPU);
-the kernels themselves arrive with issue #6.
+Each implements the contract of `jserve.attention.paged_attention`, the plain-JAX reference.
 """

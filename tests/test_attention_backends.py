@@ -3,11 +3,11 @@
 import jax
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jserve import SamplingParams, cpu_kernels
 from jserve.attention import CPU, REFERENCE, AttentionBackend, resolve_attention_backend
 from jserve.loader import load_model
-from pallas_kernels.mosaic_gpu.ragged_paged_attention import plgpu
 
 from test_engine import GREEDY, prompts, tiny_llm, token_ids
 from tiny_models import (

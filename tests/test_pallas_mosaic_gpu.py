@@ -14,17 +14,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu import ragged_paged_attention
-from pallas_kernels.mosaic_gpu.ragged_paged_attention import plgpu
 
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
 
-requires_mosaic_gpu = pytest.mark.skipif(
-    plgpu is None, reason=f"jax {jax.__version__} has no jax.experimental.pallas.mosaic_gpu"
-)
 requires_interpreter = pytest.mark.skipif(
-    plgpu is None or not hasattr(plgpu, "InterpretGPUParams"),
+    not hasattr(plgpu, "InterpretGPUParams"),
     reason=f"jax {jax.__version__} has no plgpu.InterpretGPUParams: its Pallas GPU interpreter cannot read a "
     "transposed SMEM view (TransposeTransform), the kernel's K^T WGMMA operand (needs jax >= 0.11)",
 )
@@ -89,14 +86,12 @@ def test_taller_tiles_match_reference():
     _check(case, "bfloat16", tile_rows=128, kv_splits=2)
 
 
-@requires_mosaic_gpu
 def test_float32_is_refused():
     case = make_case(LONE_DECODE, pad=False)
     with pytest.raises(NotImplementedError, match="float16/bfloat16"):
         ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True)
 
 
-@requires_mosaic_gpu
 @pytest.mark.parametrize("head_dim,page_size,pages_per_block", [(96, 16, None), (64, 16, 2), (64, 8, 4)])
 def test_shapes_mosaic_gpu_cannot_lower_are_refused(head_dim, page_size, pages_per_block):
     case = make_case(LONE_DECODE, dtype="bfloat16", head_dim=head_dim, page_size=page_size, pad=False)
@@ -104,7 +99,6 @@ def test_shapes_mosaic_gpu_cannot_lower_are_refused(head_dim, page_size, pages_p
         ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True, pages_per_block=pages_per_block)
 
 
-@requires_mosaic_gpu
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,page_size,dtype,window,soft_cap,blocks",
     [

@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-MASK_VALUE = -1e30  # finite: rows with nothing to attend to give zeros, not NaNs
+from pallas_kernels.split_rows import MASK_VALUE, ROW_FIELDS, merge_splits, prefill_rows
+
 MIN_DOT = 16  # Triton's dot wants every dimension >= 16
-ROW_FIELDS = 4  # row metadata: first token, number of tokens, first token's position, sequence
 
 
 def ragged_paged_attention(
@@ -82,36 +82,14 @@ def ragged_paged_attention(
     # Prefill rows write straight into the (zeroed) output; decode rows come back per split.
     out = jnp.zeros_like(q)
     if num_tokens > 1:  # a one-token step holds no prefill chunk
-        prefill_rows = _prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
-        out = _attend_rows(q, k_pages, v_pages, tables, prefill_rows, out, block_q, 1, **kernel_args)
+        rows = prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
+        out = _attend_rows(q, k_pages, v_pages, tables, rows, out, block_q, 1, **kernel_args)
 
     is_decode = q_lens == 1
     decode_rows = jnp.stack([starts, is_decode.astype(jnp.int32), first_pos, jnp.arange(num_seqs)], axis=1)
     partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, decode_rows, None, 1, kv_splits, **kernel_args)
-    decode_out = _merge_splits(partial_out, lse).astype(q.dtype)  # [S, heads, head_dim]
+    decode_out = merge_splits(partial_out, lse, axis=1).astype(q.dtype)  # [S, heads, head_dim]
     return out.at[jnp.where(is_decode, starts, num_tokens)].set(decode_out, mode="drop")
-
-
-def _prefill_rows(starts, q_lens, first_pos, num_tokens: int, block_q: int) -> jax.Array:
-    """[R, ROW_FIELDS] rows of up to block_q tokens over the chunks of two or more tokens (R is static)."""
-    num_seqs = starts.shape[0]
-    max_rows = num_tokens // block_q + min(num_seqs, num_tokens // 2)  # each chunk adds <= 1 partial row
-    rows_per_seq = jnp.where(q_lens > 1, pl.cdiv(q_lens, block_q), 0)
-    row_ends = jnp.cumsum(rows_per_seq)
-    row = jnp.arange(max_rows)
-    seq = jnp.minimum(jnp.searchsorted(row_ends, row, side="right"), num_seqs - 1)
-    offset = (row - (row_ends[seq] - rows_per_seq[seq])) * block_q
-    count = jnp.where(row < row_ends[-1], jnp.clip(q_lens[seq] - offset, 0, block_q), 0)
-    return jnp.stack([starts[seq] + offset, count, first_pos[seq] + offset, seq], axis=1).astype(jnp.int32)
-
-
-def _merge_splits(partial_out: jax.Array, lse: jax.Array) -> jax.Array:
-    """Combine split-KV partials [S, splits, heads, head_dim] weighted by their log-sum-exps [S, splits, heads]."""
-    weights = jnp.exp(lse - lse.max(axis=1, keepdims=True))
-    weights = jnp.where(lse > MASK_VALUE / 2, weights, 0.0)  # splits that saw nothing
-    total = weights.sum(axis=1)
-    merged = (partial_out * weights[..., None]).sum(axis=1)
-    return merged / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def _attend_rows(

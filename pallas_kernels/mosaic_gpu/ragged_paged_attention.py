@@ -47,23 +47,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-try:  # Mosaic GPU's Pallas API; its import must not make this module fail on a jax without it.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover - every supported jax has it
-    plgpu = None
+from pallas_kernels.split_rows import MASK_VALUE, merge_splits, prefill_rows
 
-MASK_VALUE = -1e30  # finite: rows with nothing to attend to give zeros, not NaNs
 WGMMA_M = 64  # one warpgroup's WGMMA tile height
-ROW_FIELDS = 4  # row metadata: first token, number of tokens, first token's position, sequence
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def supports(dtype, *, page_size: int, head_dim: int) -> bool:
     """Whether pages of this dtype and shape lower with the default K/V blocks (others are refused)."""
     return (
-        plgpu is not None
-        and jnp.dtype(dtype) in SUPPORTED_DTYPES
+        jnp.dtype(dtype) in SUPPORTED_DTYPES
         and head_dim in (64, 128)
         and page_size % 8 == 0
         and _default_pages_per_block(page_size) * page_size % 64 == 0
@@ -97,8 +92,6 @@ def ragged_paged_attention(
     `pages_per_block` the pages per K/V block (default: 64 keys); `kv_splits` the splits of a
     decode's context (default: up to 8).
     """
-    if plgpu is None:
-        raise NotImplementedError(f"jax {jax.__version__} has no Pallas Mosaic GPU backend")
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, max_pages = page_tables.shape
@@ -149,7 +142,7 @@ def ragged_paged_attention(
     out = jnp.zeros_like(q)
     if num_tokens > 1:  # a one-token step holds no prefill chunk
         block_q = tile_rows // group
-        rows = _prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
+        rows = prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
         # One program walks a prefill row's whole context: [R, kv_heads, 1, tile_rows, D].
         tiles, _ = attend(rows, kv_splits=1, blocks_per_split=kv_splits * blocks_per_split, out_dtype=q.dtype)
         out = _scatter_tiles(out, tiles[:, :, 0], rows, group)
@@ -157,21 +150,8 @@ def ragged_paged_attention(
     is_decode = q_lens == 1
     rows = jnp.stack([starts, is_decode.astype(jnp.int32), first_pos, jnp.arange(num_seqs, dtype=jnp.int32)], 1)
     partials, lse = attend(rows, kv_splits=kv_splits, blocks_per_split=blocks_per_split, out_dtype=jnp.float32)
-    merged = _merge_splits(partials, lse).astype(q.dtype)  # [S, kv_heads, tile_rows, D]
+    merged = merge_splits(partials, lse, axis=2).astype(q.dtype)  # [S, kv_heads, tile_rows, D]
     return _scatter_tiles(out, merged, rows, group)
-
-
-def _prefill_rows(starts, q_lens, first_pos, num_tokens: int, block_q: int) -> jax.Array:
-    """[R, ROW_FIELDS] rows of up to block_q tokens over the chunks of two or more tokens (R is static)."""
-    num_seqs = starts.shape[0]
-    max_rows = num_tokens // block_q + min(num_seqs, num_tokens // 2)  # each chunk adds <= 1 partial row
-    rows_per_seq = jnp.where(q_lens > 1, pl.cdiv(q_lens, block_q), 0)
-    row_ends = jnp.cumsum(rows_per_seq)
-    row = jnp.arange(max_rows)
-    seq = jnp.minimum(jnp.searchsorted(row_ends, row, side="right"), num_seqs - 1)
-    offset = (row - (row_ends[seq] - rows_per_seq[seq])) * block_q
-    count = jnp.where(row < row_ends[-1], jnp.clip(q_lens[seq] - offset, 0, block_q), 0)
-    return jnp.stack([starts[seq] + offset, count, first_pos[seq] + offset, seq], axis=1).astype(jnp.int32)
 
 
 def _tile_index(rows: jax.Array, group: int, tile_rows: int, num_kv_heads: int):
@@ -198,15 +178,6 @@ def _scatter_tiles(out: jax.Array, tiles: jax.Array, rows: jax.Array, group: int
     tokens = jnp.where(valid, tokens, num_tokens)  # out of range -> dropped
     tokens, heads = jnp.broadcast_arrays(tokens, heads)
     return out.at[tokens, heads].set(tiles.astype(out.dtype), mode="drop")
-
-
-def _merge_splits(partials: jax.Array, lse: jax.Array) -> jax.Array:
-    """Combine split-KV partials [R, KVH, splits, M, D] weighted by their log-sum-exps [R, KVH, splits, M]."""
-    weights = jnp.exp(lse - lse.max(axis=2, keepdims=True))
-    weights = jnp.where(lse > MASK_VALUE / 2, weights, 0.0)  # splits that saw nothing
-    total = weights.sum(axis=2)
-    merged = (partials * weights[..., None]).sum(axis=2)
-    return merged / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def _attend_rows(
