@@ -15,6 +15,35 @@ MASK_VALUE = -1e30  # finite: rows with nothing to attend to give zeros, not NaN
 ROW_FIELDS = 4
 
 
+def default_pages_per_block(page_size: int) -> int:
+    return max(1, 64 // page_size)  # 64-key K/V blocks
+
+
+def sequence_spans(context_lens, query_start_loc) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each sequence's first query token, number of query tokens and first query position (int32 [S])."""
+    starts = query_start_loc[:-1].astype(jnp.int32)
+    q_lens = query_start_loc[1:].astype(jnp.int32) - starts
+    return starts, q_lens, context_lens.astype(jnp.int32) - q_lens
+
+
+def split_tables(page_tables, pages_per_block: int, kv_splits: int | None) -> tuple[jax.Array, int, int]:
+    """-> (page tables padded so every K/V block of every split reads inside them, kv_splits, blocks per split).
+    A decode's context of `pages_per_block`-page blocks is cut into `kv_splits` (default: up to 8) runs."""
+    num_seqs, max_pages = page_tables.shape
+    num_blocks = pl.cdiv(max_pages, pages_per_block)
+    kv_splits = max(1, min(8 if kv_splits is None else kv_splits, num_blocks))
+    blocks_per_split = pl.cdiv(num_blocks, kv_splits)
+    padded_pages = kv_splits * blocks_per_split * pages_per_block  # page 0 stands in past the end; it is masked
+    tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+    return tables, kv_splits, blocks_per_split
+
+
+def decode_rows(starts, q_lens, first_pos) -> jax.Array:
+    """[S, ROW_FIELDS]: a row per sequence slot, of its one token when it decodes, else empty."""
+    seqs = jnp.arange(starts.shape[0], dtype=jnp.int32)
+    return jnp.stack([starts, (q_lens == 1).astype(jnp.int32), first_pos, seqs], axis=1)
+
+
 def prefill_rows(starts, q_lens, first_pos, num_tokens: int, block_q: int) -> jax.Array:
     """[R, ROW_FIELDS] rows of up to block_q tokens over the chunks of two or more tokens (R is static)."""
     num_seqs = starts.shape[0]

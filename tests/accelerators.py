@@ -5,6 +5,7 @@ Triton the GPU's compute capability, which jax >= 0.12 refuses to guess without 
 """
 
 import jax
+import jax.numpy as jnp
 
 ABSTRACT_DEVICES = {
     "cuda": jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"),
@@ -16,3 +17,20 @@ def lowering_for(platform: str):
     """A context in which a jitted function lowers for `platform` ("cuda" or "tpu") as on one such device."""
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ABSTRACT_DEVICES[platform])
     return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lowered_kernel_text(kernel, heads: int, kv_heads: int, head_dim: int, dtype, page_size: int, max_pages: int) -> str:
+    """The CUDA lowering of an attention kernel (the contract of `jserve.attention.paged_attention`) over an
+    engine-sized step: 256 tokens of 64 sequences, 512 pages."""
+    tokens, num_seqs, num_pages = 256, 64, 512
+    pages = jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype)
+    args = (
+        jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype),
+        pages,
+        pages,
+        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
+        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
+    )
+    with lowering_for("cuda"):
+        return jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

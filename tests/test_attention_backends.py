@@ -3,11 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jserve import SamplingParams, cpu_kernels
 from jserve.attention import CPU, REFERENCE, AttentionBackend, resolve_attention_backend
 from jserve.loader import load_model
+from pallas_kernels import mosaic_gpu
 
 from test_engine import GREEDY, prompts, tiny_llm, token_ids
 from tiny_models import (
@@ -91,7 +91,7 @@ def test_model_logits_through_each_kernel_match_transformers(tmp_path, kernel):
 
 
 @pytest.mark.skipif(
-    not hasattr(plgpu, "InterpretGPUParams"),
+    not mosaic_gpu.INTERPRETABLE,
     reason=f"Pallas' GPU interpreter runs the Mosaic GPU kernel from jax 0.11 on; this is jax {jax.__version__}",
 )
 def test_model_logits_through_the_mosaic_gpu_kernel_match_the_reference(tmp_path):

@@ -6,13 +6,11 @@ every operation it uses has a Triton lowering, for the shapes the engine uses.
 
 from functools import partial
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.gpu import ragged_paged_attention
 
-from accelerators import lowering_for
+from accelerators import lowered_kernel_text
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
 
 # Each line covers some of: batch kind, page size, head_dim, GQA ratio (heads / kv heads), dtype, extras.
@@ -62,16 +60,6 @@ def test_default_block_sizes_match_reference():
     ids=["llama8b-bf16", "gqa3-f32-window", "mha-softcap"],
 )
 def test_kernel_lowers_to_triton(heads, kv_heads, head_dim, dtype, window, soft_cap):
-    tokens, num_seqs, num_pages, page_size, max_pages = 256, 64, 512, 16, 128
-    args = (
-        jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
-    )
     kernel = partial(ragged_paged_attention, scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
-    with lowering_for("cuda"):
-        text = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_kernel_text(kernel, heads, kv_heads, head_dim, dtype, page_size=16, max_pages=128)
     assert text.count("__gpu$xla.gpu.triton") == 2  # the prefill and the split-KV decode kernel

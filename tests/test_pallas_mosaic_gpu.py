@@ -12,16 +12,15 @@ the K^T operand of the scores' WGMMA. Lowering works from jax 0.10.2 on.
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu import ragged_paged_attention
+from pallas_kernels.mosaic_gpu import INTERPRETABLE, ragged_paged_attention
 
+from accelerators import lowered_kernel_text
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
 
 requires_interpreter = pytest.mark.skipif(
-    not hasattr(plgpu, "InterpretGPUParams"),
+    not INTERPRETABLE,
     reason=f"jax {jax.__version__} has no plgpu.InterpretGPUParams: its Pallas GPU interpreter cannot read a "
     "transposed SMEM view (TransposeTransform), the kernel's K^T WGMMA operand (needs jax >= 0.11)",
 )
@@ -110,17 +109,8 @@ def test_shapes_mosaic_gpu_cannot_lower_are_refused(head_dim, page_size, pages_p
     ids=["llama8b-bf16", "gqa3-f16-window", "mha-softcap", "gqa8-p64-tall-tiles"],
 )
 def test_kernel_lowers_to_mosaic_gpu(heads, kv_heads, head_dim, page_size, dtype, window, soft_cap, blocks):
-    tokens, num_seqs, num_pages, max_pages = 256, 64, 512, 2048 // page_size
-    args = (
-        jax.ShapeDtypeStruct((tokens, heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_pages, page_size, kv_heads, head_dim), dtype),
-        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
-    )
     kernel = partial(ragged_paged_attention, scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap, **blocks)
-    text = jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lowered_kernel_text(kernel, heads, kv_heads, head_dim, dtype, page_size, max_pages=2048 // page_size)
     # The prefill and the split-KV decode kernel, each a Mosaic GPU module built for sm90 (Hopper).
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
     assert "__gpu$xla.gpu.triton" not in text

@@ -27,7 +27,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.split_rows import MASK_VALUE, ROW_FIELDS, merge_splits, prefill_rows
+from pallas_kernels.split_rows import (
+    MASK_VALUE,
+    ROW_FIELDS,
+    decode_rows,
+    default_pages_per_block,
+    merge_splits,
+    prefill_rows,
+    sequence_spans,
+    split_tables,
+)
 
 MIN_DOT = 16  # Triton's dot wants every dimension >= 16
 
@@ -53,21 +62,11 @@ def ragged_paged_attention(
     """q [T, heads, head_dim] over pages [P, page_size, kv_heads, head_dim] -> [T, heads, head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     page_size = k_pages.shape[1]
-    num_seqs, max_pages = page_tables.shape
     if pages_per_block is None:
-        pages_per_block = max(1, 64 // page_size)  # 64-token K/V tiles
-    pages_per_block = min(pages_per_block, pl.next_power_of_2(max_pages))
-    num_blocks = pl.cdiv(max_pages, pages_per_block)
-    if kv_splits is None:
-        kv_splits = min(num_blocks, 8)
-    blocks_per_split = pl.cdiv(num_blocks, kv_splits)
-    # Pad page tables so every block of every split reads inside them (page 0 stands in; it is masked).
-    padded_pages = kv_splits * blocks_per_split * pages_per_block
-    tables = jnp.pad(page_tables, ((0, 0), (0, padded_pages - max_pages)))
-
-    starts = query_start_loc[:-1]
-    q_lens = query_start_loc[1:] - starts
-    first_pos = context_lens - q_lens  # position of each sequence's first new token
+        pages_per_block = default_pages_per_block(page_size)
+    pages_per_block = min(pages_per_block, pl.next_power_of_2(page_tables.shape[1]))
+    tables, kv_splits, _ = split_tables(page_tables, pages_per_block, kv_splits)
+    starts, q_lens, first_pos = sequence_spans(context_lens, query_start_loc)
     kernel_args = dict(
         scale=scale,
         sliding_window=sliding_window,
@@ -85,11 +84,10 @@ def ragged_paged_attention(
         rows = prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
         out = _attend_rows(q, k_pages, v_pages, tables, rows, out, block_q, 1, **kernel_args)
 
-    is_decode = q_lens == 1
-    decode_rows = jnp.stack([starts, is_decode.astype(jnp.int32), first_pos, jnp.arange(num_seqs)], axis=1)
-    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, decode_rows, None, 1, kv_splits, **kernel_args)
+    rows = decode_rows(starts, q_lens, first_pos)
+    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, rows, None, 1, kv_splits, **kernel_args)
     decode_out = merge_splits(partial_out, lse, axis=1).astype(q.dtype)  # [S, heads, head_dim]
-    return out.at[jnp.where(is_decode, starts, num_tokens)].set(decode_out, mode="drop")
+    return out.at[jnp.where(q_lens == 1, starts, num_tokens)].set(decode_out, mode="drop")
 
 
 def _attend_rows(

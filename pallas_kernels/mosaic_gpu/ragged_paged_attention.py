@@ -49,8 +49,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.split_rows import MASK_VALUE, merge_splits, prefill_rows
+from pallas_kernels.split_rows import (
+    MASK_VALUE,
+    decode_rows,
+    default_pages_per_block,
+    merge_splits,
+    prefill_rows,
+    sequence_spans,
+    split_tables,
+)
 
+# Pallas' GPU interpreter runs this kernel on a CPU from jax 0.11 (0.10's cannot read the transposed K view).
+INTERPRETABLE = hasattr(plgpu, "InterpretGPUParams")
 WGMMA_M = 64  # one warpgroup's WGMMA tile height
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -61,12 +71,8 @@ def supports(dtype, *, page_size: int, head_dim: int) -> bool:
         jnp.dtype(dtype) in SUPPORTED_DTYPES
         and head_dim in (64, 128)
         and page_size % 8 == 0
-        and _default_pages_per_block(page_size) * page_size % 64 == 0
+        and default_pages_per_block(page_size) * page_size % 64 == 0
     )
-
-
-def _default_pages_per_block(page_size: int) -> int:
-    return max(1, 64 // page_size)  # 64-key K/V blocks
 
 
 def ragged_paged_attention(
@@ -93,8 +99,7 @@ def ragged_paged_attention(
     decode's context (default: up to 8).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    num_seqs, max_pages = page_tables.shape
+    page_size, num_kv_heads = k_pages.shape[1:3]
     group = num_heads // num_kv_heads
     if q.dtype not in SUPPORTED_DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
         raise NotImplementedError(
@@ -105,25 +110,15 @@ def ragged_paged_attention(
         raise ValueError(f"need heads % kv_heads == 0, tile_rows % 64 == 0 and group <= tile_rows: "
                          f"{num_heads=} {num_kv_heads=} {tile_rows=}")  # fmt: skip
     if pages_per_block is None:
-        pages_per_block = _default_pages_per_block(page_size)
+        pages_per_block = default_pages_per_block(page_size)
     block_k = pages_per_block * page_size
     # What Mosaic GPU lowers (checked by lowering): WGMMA operands in 128-byte swizzled SMEM rows.
     if head_dim % 64 or block_k % 64 or page_size % 8:
         raise ValueError(f"need head_dim and pages_per_block * page_size multiples of 64, page_size of 8: "
                          f"{head_dim=} {page_size=} {pages_per_block=}")  # fmt: skip
 
-    num_blocks = pl.cdiv(max_pages, pages_per_block)
-    if kv_splits is None:
-        kv_splits = min(num_blocks, 8)
-    kv_splits = max(1, min(kv_splits, num_blocks))
-    blocks_per_split = pl.cdiv(num_blocks, kv_splits)
-    # Pad the tables so every block of every split reads inside them (page 0 stands in; it is masked).
-    padded_pages = kv_splits * blocks_per_split * pages_per_block
-    tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
-
-    starts = query_start_loc[:-1].astype(jnp.int32)
-    q_lens = query_start_loc[1:].astype(jnp.int32) - starts
-    first_pos = context_lens.astype(jnp.int32) - q_lens  # position of each sequence's first new token
+    tables, kv_splits, blocks_per_split = split_tables(page_tables, pages_per_block, kv_splits)
+    starts, q_lens, first_pos = sequence_spans(context_lens, query_start_loc)
     attend = functools.partial(
         _attend_rows,
         q,
@@ -147,8 +142,7 @@ def ragged_paged_attention(
         tiles, _ = attend(rows, kv_splits=1, blocks_per_split=kv_splits * blocks_per_split, out_dtype=q.dtype)
         out = _scatter_tiles(out, tiles[:, :, 0], rows, group)
 
-    is_decode = q_lens == 1
-    rows = jnp.stack([starts, is_decode.astype(jnp.int32), first_pos, jnp.arange(num_seqs, dtype=jnp.int32)], 1)
+    rows = decode_rows(starts, q_lens, first_pos)
     partials, lse = attend(rows, kv_splits=kv_splits, blocks_per_split=blocks_per_split, out_dtype=jnp.float32)
     merged = merge_splits(partials, lse, axis=2).astype(q.dtype)  # [S, kv_heads, tile_rows, D]
     return _scatter_tiles(out, merged, rows, group)
@@ -217,7 +211,7 @@ def _attend_rows(
         plgpu.Barrier(num_arrivals=kernel_kw["pages_per_block"], num_barriers=2),  # a V block has landed
     )
     if interpret is True:
-        if not hasattr(plgpu, "InterpretGPUParams"):  # jax 0.10's interpreter cannot read a transposed view
+        if not INTERPRETABLE:
             raise NotImplementedError(f"Pallas' GPU interpreter runs this kernel from jax 0.11, not {jax.__version__}")
         interpret = plgpu.InterpretGPUParams()
     kernel = functools.partial(_tile_kernel, group=group, blocks_per_split=blocks_per_split, **kernel_kw)
