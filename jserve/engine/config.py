@@ -21,7 +21,7 @@ MIN_TOKEN_BUCKET = 16
 # (docs/benchmarks.md). Buckets 2, 4 and 8 would help a few concurrent decodes, but each bucket adds
 # compile time to every start-up.
 SINGLE_DECODE_BUCKET = 1
-SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")  # only "priority" honours a request's priority
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class EngineConfig:
     num_pages: int
     seed: int = 0
     enable_prefix_caching: bool = True
-    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+    schedule_policy: str = "fcfs"  # "lpm": longest cached prefix first; "priority": (priority, arrival)
     attention_backend: str = "auto"  # resolved (and checked) by jserve.attention.resolve_attention_backend
     async_scheduling: bool = True  # prepare step N+1 while the device runs step N (identical outputs)
     kv_cache_dtype: str = "float32"  # the pages' dtype: the model's, or bfloat16 for half the bytes
