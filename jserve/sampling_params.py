@@ -2,7 +2,8 @@
 
 Field names and meanings follow vLLM's SamplingParams (and so the OpenAI API). Every bad value raises
 ValueError naming the field and the allowed range, so the server can hand the message to the client.
-Checks that need the model's vocabulary are left to `validate_token_ids`, which the engine calls.
+Checks that need the model's vocabulary are left to `validate_for_vocab`, which the engine calls. Sizes
+a request could use to exhaust the server (stop strings, logit_bias entries) have limits, below.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from jserve.errors import short_repr
+
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for per token (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # most logit_bias entries a request may carry (OpenAI's limit)
+# Stop strings are searched after every token and the streamed text holds back a tail as long as the
+# longest one, so both their number and their length are bounded.
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 256  # characters
+SEED_RANGE = (-(2**63), 2**63 - 1)  # 64-bit, as vLLM takes it
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,7 @@ class SamplingParams:
             "repetition_penalty": _real("repetition_penalty", self.repetition_penalty, low=0, low_open=True),
             "presence_penalty": _real("presence_penalty", self.presence_penalty, low=-2, high=2),
             "frequency_penalty": _real("frequency_penalty", self.frequency_penalty, low=-2, high=2),
-            "seed": None if self.seed is None else _integer("seed", self.seed),
+            "seed": None if self.seed is None else _integer("seed", self.seed, *SEED_RANGE),
             "stop": _stop_strings(self.stop),
             "stop_token_ids": _stop_token_ids(self.stop_token_ids),
             "max_tokens": max_tokens,
@@ -79,8 +87,10 @@ class SamplingParams:
         """Repetition / presence / frequency penalties: they need the request's whole history."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
-    def validate_token_ids(self, vocab_size: int) -> None:
-        """Raises ValueError if a stop_token_ids or logit_bias id is outside the model's vocabulary."""
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raises ValueError if top_k exceeds the vocabulary or a stop_token_ids / logit_bias id is outside it."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be -1, 0 or at most the vocabulary size ({vocab_size}), got {self.top_k}")
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
             bad = [i for i in ids if i >= vocab_size]
             if bad:
@@ -96,7 +106,7 @@ def _range(low: float | None, high: float | None, low_open: bool) -> str:
 def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
     # bool is an int subclass, but n=True is a caller's mistake, not a number
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {short_repr(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         raise ValueError(f"{name} must be {_range(low, high, False)}, got {value}")
     return int(value)
@@ -104,7 +114,7 @@ def _integer(name: str, value: object, low: int | None = None, high: int | None 
 
 def _real(name: str, value: object, low: float, high: float | None = None, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise ValueError(f"{name} must be a finite number, got {short_repr(value)}")
     if value < low or (low_open and value == low) or (high is not None and value > high):
         raise ValueError(f"{name} must be {_range(low, high, low_open)}, got {value}")
     return float(value)
@@ -112,16 +122,21 @@ def _real(name: str, value: object, low: float, high: float | None = None, low_o
 
 def _boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise ValueError(f"{name} must be a bool, got {short_repr(value)}")
     return value
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:
     strings = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise ValueError(f"stop must be a string or a list of strings, got {short_repr(stop)}")
     if not all(strings):
         raise ValueError("stop strings must be non-empty, got ''")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
+    longest = max(map(len, strings), default=0)
+    if longest > MAX_STOP_LENGTH:
+        raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest}")
     return tuple(strings)
 
 
@@ -129,7 +144,7 @@ def _stop_token_ids(ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {short_repr(ids)}")
     return tuple(_integer("stop_token_ids", i, low=0) for i in ids)
 
 
@@ -137,7 +152,7 @@ def _logit_bias(bias: object) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, Mapping):
-        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {bias!r}")
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {short_repr(bias)}")
     if len(bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
     out = {}
@@ -145,6 +160,6 @@ def _logit_bias(bias: object) -> dict[int, float]:
         # JSON object keys are strings: {"50256": -100} biases token 50256
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
-            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {short_repr(key)}")
         out[int(token)] = _real(f"logit_bias[{token}]", value, low=-100, high=100)
     return out

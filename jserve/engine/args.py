@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 import jax
 
 from jserve.attention import ATTENTION_BACKENDS
-from jserve.engine.config import resolve_engine_config
+from jserve.engine.config import SCHEDULE_POLICIES, resolve_engine_config
 from jserve.engine.engine import LLMEngine
 from jserve.loader import load_model
 from jserve.models.quantization import QUANTIZATIONS
@@ -41,7 +41,7 @@ class EngineArgs:
     page_size: int = 16
     kv_cache_memory: int | None = None  # bytes
     enable_prefix_caching: bool = True
-    schedule_policy: str = "fcfs"  # "lpm": longest cached prefix first
+    schedule_policy: str = "fcfs"  # "lpm": longest cached prefix first; "priority": request priorities honoured
     tensor_parallel_size: int = 1
     seed: int = 0
     attention_backend: str = "auto"  # "reference" (plain JAX), "cpu" (C++) or "pallas"; auto picks per platform
@@ -91,8 +91,10 @@ class EngineArgs:
         parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache")
         parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                             help="share computed KV pages between requests with the same prefix")  # fmt: skip
-        parser.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
-                            help="admission order: arrival, or longest cached prefix first")  # fmt: skip
+        parser.add_argument("--schedule-policy", "--scheduling-policy", choices=SCHEDULE_POLICIES, default="fcfs",
+                            help="admission order: fcfs (arrival), lpm (longest cached prefix first) or priority "
+                            "(each request's priority, lower first, then arrival; other policies refuse a "
+                            "priority other than 0)")  # fmt: skip
         parser.add_argument("--tensor-parallel-size", type=int, default=1,
                             help="devices to split each layer's heads and MLP over")  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)

@@ -104,7 +104,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         text = text if text is not None else prompt_text
-        params.validate_token_ids(self.model.config.vocab_size)
+        params.validate_for_vocab(self.model.config.vocab_size)
+        if params.n > self.config.max_num_seqs:  # each completion is a sequence of its own
+            raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r:.60}")
+        if priority != 0 and self.config.schedule_policy != "priority":
+            raise ValueError(f"priority is honoured only with schedule_policy 'priority' (--schedule-policy priority);"
+                             f" this engine runs '{self.config.schedule_policy}', got {priority}")  # fmt: skip
         bias_entries(params, tuple(self.eos_ids) + params.stop_token_ids)  # raises now if the bias row overflows
         seeds = [
             params.seed + i if params.seed is not None else int(self._rng.integers(2**31)) for i in range(params.n)
@@ -180,7 +187,7 @@ class LLMEngine:
         changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
         scheduled = self.scheduler.schedule()
         self.stats.preemptions += len(scheduled.preempted)
-        launched = self._launch(scheduled.sequences) if scheduled.sequences else None
+        launched = self._launch(scheduled.sequences, changed) if scheduled.sequences else None
         previous, self.in_flight = self.in_flight, launched
         if not self.config.async_scheduling:
             previous, self.in_flight = self.in_flight, None
@@ -197,12 +204,14 @@ class LLMEngine:
         self.stats.host_s += time.perf_counter() - start - waited
         return results
 
-    def _launch(self, sequences: list[ScheduledSequence]) -> LaunchedStep:
+    def _launch(self, sequences: list[ScheduledSequence], changed: set[str]) -> LaunchedStep | None:
         """Dispatch the step, then advance each request as if it had run: the device runs steps in launch
         order, so the next step may already read these K/V pages and (by row) these samples."""
-        samples = [seq.samples for seq in sequences]
         before = compile_count()
-        out = self.runner.launch(sequences)
+        sequences, out = self._dispatch(sequences, changed)
+        if out is None:
+            return None
+        samples = [seq.samples for seq in sequences]
         self.timeline.launched(time.perf_counter(), out.token_ids, self._busy)
         if compile_count() != before:
             message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
@@ -219,6 +228,28 @@ class LLMEngine:
                 request.num_pending += 1
                 request.pending_row = row
         return LaunchedStep(sequences, samples, out)
+
+    def _dispatch(self, sequences: list[ScheduledSequence], changed: set[str]) -> tuple[list, SamplerOutput | None]:
+        """The runner's launch, isolating the culprit if it fails: the requests whose own rows cannot be
+        prepared fail, and the rest launch again. A failure no single row explains (the device, the
+        executable) is not one request's fault, and is raised."""
+        try:
+            return sequences, self.runner.launch(sequences)
+        except Exception:
+            errors = [self.runner.prepare_error(seq) for seq in sequences]
+            if not any(errors):
+                raise
+        for seq, error in zip(sequences, errors, strict=True):
+            if error is not None:
+                self._fail(seq.request, error, changed)
+        rest = [seq for seq, error in zip(sequences, errors, strict=True) if error is None]
+        return rest, self.runner.launch(rest) if rest else None
+
+    def _fail(self, request: Request, error: Exception, changed: set[str]) -> None:
+        """End one request with finish_reason "error" (the others go on)."""
+        log.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error, exc_info=error)
+        self.scheduler.finish(request, "error")
+        changed.add(request.parent_id)
 
     def _process(self, step: LaunchedStep, changed: set[str]) -> float:
         """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
@@ -237,15 +268,16 @@ class LLMEngine:
                 request.first_token_time = now
             try:
                 finish = self.outputs.append(request, samples, row)
-            except Exception:  # one request's failure must not take down the others
-                log.exception("request %s failed while processing its output; aborting it", request.request_id)
-                finish = ("abort", None)
+            except Exception as error:  # one request's failure must not take down the others
+                self._fail(request, error, changed)
+                continue
             if finish is not None:
                 self.scheduler.finish(request, *finish)
         stats.steps += 1
-        pool = self.scheduler.pool
-        running = len(self.scheduler.running)
-        stats.maybe_log(running, self.scheduler.num_unfinished - running, 1 - pool.num_free / pool.num_pages)
+        scheduler = self.scheduler
+        running = len(scheduler.running)
+        kv_used = scheduler.num_used_pages / scheduler.pool.num_pages
+        stats.maybe_log(running, scheduler.num_unfinished - running, kv_used)
         return waited
 
     def sync_stats(self) -> EngineStats:

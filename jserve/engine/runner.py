@@ -144,6 +144,14 @@ class ModelRunner:
             self.broadcast.stop()
             self.broadcast = None
 
+    def prepare_error(self, sequence: ScheduledSequence) -> Exception | None:
+        """What preparing a step of this sequence alone raises (host work only; nothing runs), if anything."""
+        try:
+            self.prepare([sequence], self.bucket_for(sequence.num_tokens))
+        except Exception as error:
+            return error
+        return None
+
     def prepare(self, sequences: list[ScheduledSequence], bucket: int) -> StepInput:
         """Host arrays for a step, padded to `bucket` tokens and its sequence count (vectorised numpy)."""
         cfg = self.config

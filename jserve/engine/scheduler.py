@@ -73,6 +73,16 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.running) + sum(not r.is_finished for r in self.waiting)
 
+    @property
+    def num_reclaimable_pages(self) -> int:
+        """Pages only the prefix cache holds: cached prefixes no request is using, evicted when pages run short."""
+        return self.cache.evictable_pages if self.cache is not None else 0
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages requests hold (their own, and cached ones they share): what the KV usage metric counts."""
+        return self.pool.num_pages - self.pool.num_free - self.num_reclaimable_pages
+
     def add(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_queue_order)
 

@@ -20,7 +20,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)
     generated_tokens: int = 0
     preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (issue #5)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
     _last_log: float = field(default_factory=time.monotonic, repr=False)
     _last_counts: tuple[int, int] = (0, 0)
@@ -37,7 +37,7 @@ class EngineStats:
         prompt, generated = self.prompt_tokens - self._last_counts[0], self.generated_tokens - self._last_counts[1]
         hit_rate = 100 * self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
         log.info(
-            "prefill %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.0f%% used; "
+            "prefill %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.0f%% used by requests; "
             "prefix cache hit rate %.1f%%; host %.1f ms/step, device idle %.1f%%; %d preemptions so far",
             prompt / elapsed, generated / elapsed, running, waiting, 100 * kv_used, hit_rate,
             1000 * self.host_s / max(self.steps, 1), 100 * self.device_idle_fraction, self.preemptions,
