@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -19,10 +20,12 @@ from starlette.routing import Route
 
 import jserve
 from jserve.engine.args import EngineArgs
+from jserve.errors import short_repr
 from jserve.server.async_engine import AsyncEngine, EngineError, EngineState, PromptInput, Submission
 from jserve.server.errors import APIError, bad_request
 from jserve.server.metrics import ServerMetrics
-from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion
+from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_tokenize
+from jserve.server.request_body import read_json_object
 from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
 
 UNPROTECTED_PATHS = {"/health", "/metrics", "/version"}
@@ -32,7 +35,7 @@ UNPROTECTED_PATHS = {"/health", "/metrics", "/version"}
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
-    max_queue: int = 1024  # requests accepted but not yet generating; beyond it new ones get 429
+    max_queue: int = 1024  # sequences (prompts × n) accepted but not yet generating; beyond it new ones get 429
     max_body_bytes: int = 16 << 20
     chat_template: str | None = None  # overrides the checkpoint's
 
@@ -41,6 +44,8 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
         self.created = int(time.time())
+        # Keys are compared as digests: equal lengths, so the comparison's time tells nothing about the key.
+        self.key_digest = _digest(f"Bearer {settings.api_key}") if settings.api_key is not None else None
 
     # --- routes ----------------------------------------------------------------------------------
 
@@ -80,20 +85,14 @@ class OpenAIServer:
         return JSONResponse({"version": jserve.__version__})
 
     async def tokenize(self, request: Request) -> Response:
-        body = await self._read_json(request)
-        self._check_model(body.get("model"))
-        if "messages" in body:
-            chat = parse_chat({"messages": body["messages"]})
-            add = body.get("add_generation_prompt", True)
-            prompt = await run_in_threadpool(self._chat_prompt, chat.messages, add)
+        body = parse_tokenize(await self._read_json(request))
+        self._check_model(body.model)
+        if body.messages is not None:
+            prompt = await run_in_threadpool(self._chat_prompt, body.messages, body.add_generation_prompt)
             tokens = prompt.token_ids
-        elif isinstance(body.get("prompt"), str):
-            add_special = body.get("add_special_tokens", True)
-            tokens = await run_in_threadpool(self.engine.tokenizer.encode, body["prompt"], bool(add_special))
         else:
-            raise bad_request("tokenize takes a prompt string or chat messages", "prompt")
-        max_len = self.engine.engine.config.max_model_len
-        return JSONResponse({"count": len(tokens), "max_model_len": max_len, "tokens": tokens})
+            tokens = await run_in_threadpool(self.engine.tokenizer.encode, body.prompt, body.add_special_tokens)
+        return JSONResponse({"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens})
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._read_json(request)
@@ -108,8 +107,13 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, gen: GenerationRequest, prompts: list[PromptInput],
                         builder: ResponseBuilder) -> Response:  # fmt: skip
-        if self.engine.num_queued + len(prompts) > self.settings.max_queue:
-            raise APIError(429, f"the queue is full ({self.settings.max_queue} requests waiting); retry later")
+        _check_fits(gen, prompts, self.engine.max_model_len)
+        sequences, limit = len(prompts) * gen.params.n, self.settings.max_queue
+        if sequences > limit:
+            raise bad_request(f"the request asks for {sequences} sequences (prompts × n), more than the queue's "
+                              f"{limit}", "n")  # fmt: skip
+        if self.engine.num_queued + sequences > limit:
+            raise APIError(429, f"the queue is full ({limit} sequences waiting); retry later")
         try:
             submission = await self.engine.submit(prompts, gen.params, gen.priority, gen.cache_salt)
         except ValueError as err:
@@ -173,36 +177,19 @@ class OpenAIServer:
 
     async def _read_json(self, request: Request) -> dict:
         self._authorize(request)
-        limit = self.settings.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise APIError(413, f"the request body is {length} bytes, more than the limit of {limit}")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise APIError(413, f"the request body is more than the limit of {limit} bytes")
-        try:
-            data = json.loads(body)
-        except ValueError as err:
-            raise bad_request(f"the request body is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the request body must be a JSON object")
-        return data
+        return await read_json_object(request, self.settings.max_body_bytes)
 
     def _authorize(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None or request.url.path in UNPROTECTED_PATHS:
+        if self.key_digest is None or request.url.path in UNPROTECTED_PATHS:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        if not hmac.compare_digest(_digest(request.headers.get("authorization", "")), self.key_digest):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
         self._check_ready()
         if model is not None and model != self.settings.served_model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+            raise APIError(404, f"the model {short_repr(model)} does not exist; this server serves "
                            f"'{self.settings.served_model_name}'", "model", "model_not_found")  # fmt: skip
 
     def _check_ready(self) -> None:
@@ -211,6 +198,20 @@ class OpenAIServer:
             reason = {EngineState.LOADING: "the model is still loading", EngineState.DRAINING: "the server is "
                       "shutting down"}.get(state, "the engine is not running")  # fmt: skip
             raise APIError(503, reason)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+def _check_fits(gen: GenerationRequest, prompts: list[PromptInput], max_model_len: int) -> None:
+    """Prompt plus max_tokens must fit the context: vLLM refuses, rather than cut, a completion that cannot."""
+    max_tokens = gen.params.max_tokens
+    longest = max(len(p.token_ids) for p in prompts)
+    if max_tokens is not None and longest < max_model_len < longest + max_tokens:
+        raise bad_request(f"{gen.max_tokens_param} is too large: {max_tokens}. This model's maximum context length "
+                          f"is {max_model_len} tokens and the prompt has {longest} ({max_tokens} > {max_model_len} "
+                          f"- {longest})", gen.max_tokens_param)  # fmt: skip
 
 
 def _with_usage(chunk: dict, gen: GenerationRequest) -> dict:

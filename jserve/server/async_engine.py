@@ -49,11 +49,11 @@ class PromptInput:
 class Submission:
     """The engine requests of one HTTP call (one per prompt), read from the event loop as they progress."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]):
-        self.engine, self.request_ids = engine, request_ids
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], n: int):
+        self.engine, self.request_ids, self.n = engine, request_ids, n
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.unstarted = set(request_ids)  # no output yet: counted as queued for --max-queue
+        self.unstarted = set(request_ids)  # no output yet: their n sequences each count against --max-queue
         self.latest: dict[str, RequestOutput] = {}
         self.closed = False
 
@@ -67,6 +67,9 @@ class Submission:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
+            if any(c.finish_reason == "error" for c in item.outputs):
+                raise EngineError("the engine failed while running this request (the server log says why); "
+                                  "other requests were not affected")  # fmt: skip
             self.latest[item.request_id] = item
             if item.finished:
                 pending.discard(item.request_id)
@@ -116,16 +119,20 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
     def num_queued(self) -> int:
-        """Requests accepted but not yet producing output."""
-        return sum(len(s.unstarted) for s in self.submissions)
+        """Sequences (prompts × n) accepted but not yet producing output."""
+        return sum(len(s.unstarted) * s.n for s in self.submissions)
 
     async def submit(self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0,
                      cache_salt: str | None = None) -> Submission:  # fmt: skip
         """Queue one engine request per prompt; raises ValueError (the engine's validation) if any is bad,
         in which case none is queued."""
         prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        submission = Submission(self, [f"{prefix}-{i}" for i in range(len(prompts))])
+        submission = Submission(self, [f"{prefix}-{i}" for i in range(len(prompts))], params.n)
         accepted = submission.loop.create_future()
         self.submissions.add(submission)
         self.commands.put(("add", submission, prompts, params, priority, cache_salt, accepted))

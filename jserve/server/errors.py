@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from starlette.responses import JSONResponse
+import json
+
+from starlette.responses import Response
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -10,6 +12,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -27,8 +30,9 @@ class APIError(Exception):
         kind = ERROR_TYPES.get(self.status, "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status)
+    def response(self) -> Response:
+        # ASCII escapes: a message quoting the client's input must encode whatever that input held
+        return Response(json.dumps(self.to_dict()), status_code=self.status, media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -22,7 +22,9 @@ class ServerMetrics:
 
         self.running = make(Gauge, "num_requests_running", "Requests in the running batch")
         self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV cache pages in use (0-1)")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of KV cache pages held by requests (0-1)")
+        self.prefix_cache_usage = make(Gauge, "prefix_cache_usage_perc", "Fraction of KV cache pages holding cached "
+                                       "prefixes no request uses (0-1): free to reclaim")  # fmt: skip
         self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = make(Counter, "num_preemptions", "Requests preempted (to be recomputed)")
@@ -34,7 +36,7 @@ class ServerMetrics:
         self.device_busy = make(Counter, "device_busy_seconds", "Time the device spent running steps")
         self.device_idle = make(Counter, "device_idle_seconds", "Device idle between steps while work waited")
         success = make(Counter, "request_success", "Completions finished, by reason", labelnames=("finished_reason",))
-        reasons = ("stop", "length", "abort")
+        reasons = ("stop", "length", "abort", "error")
         self.success = {reason: success.labels(finished_reason=reason, **labels) for reason in reasons}
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
         self.itl = make(Histogram, "inter_token_latency_seconds", "Time between tokens of a completion",
@@ -51,7 +53,8 @@ class ServerMetrics:
         running = len(scheduler.running)
         self.running.set(running)
         self.waiting.set(scheduler.num_unfinished - running)
-        self.kv_usage.set(1 - scheduler.pool.num_free / scheduler.pool.num_pages)
+        self.kv_usage.set(scheduler.num_used_pages / scheduler.pool.num_pages)
+        self.prefix_cache_usage.set(scheduler.num_reclaimable_pages / scheduler.pool.num_pages)
         counts = (stats.prompt_tokens, stats.generated_tokens, stats.preemptions, stats.prefix_cache_queries,
                   stats.prefix_cache_hits, stats.steps, stats.host_s, stats.device_busy_s,
                   stats.device_idle_s)  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jserve.errors import short_repr
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jserve.server.errors import bad_request
 
@@ -21,6 +22,8 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "s
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                                "add_generation_prompt"}  # fmt: skip
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
+MAX_PROMPTS = 1024  # prompts in one completions request (each is tokenized before the queue limit applies)
+
 
 Prompt = str | list[int]
 
@@ -39,6 +42,7 @@ class GenerationRequest:
     echo: bool = False
     messages: list[dict] | None = None  # chat
     add_generation_prompt: bool = True
+    max_tokens_param: str = "max_tokens"  # the name the client gave it, for errors
 
     @property
     def num_prompts(self) -> int:
@@ -73,10 +77,35 @@ def parse_chat(body: dict) -> GenerationRequest:
     if top_logprobs is not None and not wants_logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     logprobs = (top_logprobs or 0) if wants_logprobs else None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    request = _common(body, logprobs=logprobs, max_tokens=max_tokens)
+    max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    request = _common(body, logprobs=logprobs, max_tokens=body.get(max_tokens_param))
     request.messages = _messages(body.get("messages"))
     request.add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
+    request.max_tokens_param = max_tokens_param
+    return request
+
+
+@dataclass
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """vLLM's /tokenize: a prompt string, or chat messages rendered with the chat template."""
+    body = _given(body, {"model", "prompt", "add_special_tokens", "messages", "add_generation_prompt"})
+    request = TokenizeRequest(_model(body))
+    if "messages" in body:
+        request.messages = _messages(body["messages"])
+        request.add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
+    elif isinstance(body.get("prompt"), str):
+        request.prompt = body["prompt"]
+        request.add_special_tokens = _flag(body, "add_special_tokens", default=True)
+    else:
+        raise bad_request("tokenize takes a prompt string or chat messages", "prompt")
     return request
 
 
@@ -86,7 +115,7 @@ def _given(body: object, allowed: set[str]) -> dict:
     given = {key: value for key, value in body.items() if value is not None}
     unsupported = sorted(set(given) - allowed)
     if unsupported:
-        raise bad_request(f"unsupported parameter(s): {', '.join(unsupported)}", unsupported[0])
+        raise bad_request(f"unsupported parameter(s): {short_repr(unsupported)}", unsupported[0][:60])
     return given
 
 
@@ -108,9 +137,9 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad_request("stream_options takes only include_usage", "stream_options")
         include_usage = _flag(options, "include_usage")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("model must be a string", "model")
+    model = _model(body)
+    if not isinstance(body.get("user", ""), str):  # accepted as OpenAI accepts it; jserve does not use it
+        raise bad_request("user must be a string", "user")
     priority = body.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise bad_request("priority must be an integer", "priority")
@@ -120,10 +149,17 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     return GenerationRequest(model, params, stream, include_usage, priority, salt)
 
 
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    return model
+
+
 def _flag(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean, got {value!r}", name)
+        raise bad_request(f"{name} must be a boolean, got {short_repr(value)}", name)
     return value
 
 
@@ -142,6 +178,8 @@ def _prompts(prompt: object) -> list[Prompt]:
     if prompts is not None:
         if not all(prompts):
             raise bad_request("prompt is empty", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise bad_request(f"a request takes at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
         return prompts
     raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of such lists",
                       "prompt")  # fmt: skip
@@ -156,11 +194,18 @@ def _messages(messages: object) -> list[dict]:
             raise bad_request(f"messages[{i}] must be an object", "messages")
         extra = sorted(set(message) - {"role", "content", "name"})
         if extra:
-            raise bad_request(f"messages[{i}]: unsupported field(s) {', '.join(extra)}", "messages")
+            raise bad_request(f"messages[{i}]: unsupported field(s) {short_repr(extra)}", "messages")
         role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}", "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(message.get("content"), i)})
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {short_repr(role)}",
+                              "messages")  # fmt: skip
+        rendered = {"role": "system" if role == "developer" else role, "content": _content(message.get("content"), i)}
+        name = message.get("name")
+        if name is not None:  # the participant's name: the chat template may show it (transformers passes it)
+            if not isinstance(name, str):
+                raise bad_request(f"messages[{i}].name must be a string", "messages")
+            rendered["name"] = name
+        out.append(rendered)
     return out
 
 
@@ -172,7 +217,7 @@ def _content(content: object, i: int) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported, got {part!r:.80}",
+                raise bad_request(f"messages[{i}].content: only text parts are supported, got {short_repr(part)}",
                                   "messages")  # fmt: skip
             texts.append(part["text"])
         return "\n".join(texts)

@@ -74,10 +74,14 @@ def render_chat_template(
     # OpenAI-style clients send `content: null` or `tool_calls: null`; templates
     # handle a missing key but often print "None", so such keys are dropped.
     cleaned = [{key: value for key, value in message.items() if value is not None} for message in messages]
-    return _compile(source).render(
-        messages=cleaned,
-        tools=tools,
-        documents=documents,
-        add_generation_prompt=add_generation_prompt,
-        **{**special_tokens, **kwargs},
-    )
+    template = _compile(source)
+    try:
+        return template.render(
+            messages=cleaned,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **{**special_tokens, **kwargs},
+        )
+    except jinja2.TemplateError as err:  # raise_exception, or the sandbox refusing what the messages led to
+        raise ValueError(f"the chat template cannot render these messages: {err}") from err
