@@ -24,7 +24,7 @@ from jserve.errors import short_repr
 from jserve.server.async_engine import AsyncEngine, EngineError, EngineState, PromptInput, Submission
 from jserve.server.errors import APIError, bad_request
 from jserve.server.metrics import ServerMetrics
-from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_tokenize
+from jserve.server.protocol import GenerationRequest, param_of, parse_chat, parse_completion, parse_tokenize
 from jserve.server.request_body import read_json_object
 from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
 
@@ -117,7 +117,7 @@ class OpenAIServer:
         try:
             submission = await self.engine.submit(prompts, gen.params, gen.priority, gen.cache_salt)
         except ValueError as err:
-            raise bad_request(str(err), "prompt" if str(err).startswith("prompt") else None) from None
+            raise bad_request(str(err), param_of(str(err))) from None
         if gen.stream:
             return StreamingResponse(self._stream(submission, builder, gen), media_type="text/event-stream")
         return await self._respond(request, submission, builder)

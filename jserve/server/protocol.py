@@ -109,6 +109,13 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     return request
 
 
+def param_of(message: str) -> str | None:
+    """The request field a validation message names: its first word ("top_k must be ...", "logit_bias[5] ...")."""
+    word = message.split(" ", 1)[0].split("[", 1)[0]
+    word = "prompt" if word == "prompt_token_ids" else word
+    return word if word in COMPLETION_FIELDS | CHAT_FIELDS else None
+
+
 def _given(body: object, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -126,8 +133,7 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **sampling)
     except (TypeError, ValueError) as err:
-        message = str(err)
-        raise bad_request(message, message.split(" ", 1)[0].split("[", 1)[0]) from None
+        raise bad_request(str(err), param_of(str(err))) from None
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     include_usage = False
