@@ -3,23 +3,34 @@
 import subprocess
 import sys
 import textwrap
-import time
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 
+from jserve.engine import device_timeline
 from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.stats import EngineStats
 
 
-def test_drain_accounts_for_every_launched_step():
+def test_drain_accounts_for_every_launched_step(monkeypatch):
+    """Busy time runs from a step's start (its dispatch, or the previous step's finish if it queued behind
+    it) to its finish; idle time is a gap before a step dispatched while work was waiting, and only that."""
+    # (dispatched, back_to_back, finished), in seconds on a scripted clock read by the waiter thread alone
+    steps = [
+        (10.0, False, 11.0),  # busy 1
+        (11.5, True, 12.5),  # dispatched 0.5 s after the device went quiet, with work waiting: idle 0.5, busy 1
+        (12.0, True, 13.0),  # queued behind the one before: busy from 12.5 only, no idle
+        (20.0, False, 21.0),  # nothing was waiting before it: its gap is not overhead; busy 1
+    ]
+    finish_times = iter([finished for *_, finished in steps])
+    monkeypatch.setattr(device_timeline, "time", SimpleNamespace(perf_counter=lambda: next(finish_times)))
     stats = EngineStats()
     timeline = DeviceTimeline(stats)
     x = jnp.ones((256, 256))
-    for _ in range(3):
-        timeline.launched(time.perf_counter(), jnp.tanh(x @ x), back_to_back=True)
+    for dispatched, back_to_back, _ in steps:
+        timeline.launched(dispatched, jnp.tanh(x @ x), back_to_back=back_to_back)
     timeline.drain()
-    assert stats.device_busy_s > 0
-    assert stats.device_idle_s >= 0
+    assert (stats.device_busy_s, stats.device_idle_s) == (3.5, 0.5)
 
 
 def test_exiting_while_a_step_runs_does_not_abort_the_process():
