@@ -210,7 +210,7 @@ def test_abort_by_request_id(llm):
 
 
 def test_priority_runs_urgent_requests_first(tiny_llama_checkpoint):
-    single = tiny_llm(tiny_llama_checkpoint[0], max_num_seqs=1)
+    single = tiny_llm(tiny_llama_checkpoint[0], max_num_seqs=1, schedule_policy="priority")
     outputs = single.generate(prompts(3, seed=15), GREEDY, use_tqdm=False, priority=[5, 0, 1])
     order = sorted(range(3), key=lambda i: outputs[i].metrics.first_token_time)
     assert order == [1, 2, 0]
@@ -299,7 +299,7 @@ def test_a_failing_request_does_not_break_the_others(llm, monkeypatch):
     monkeypatch.setattr(processor, "append", flaky_append)
     batch = [[7, 1, 2, 3], *prompts(3, seed=21)]
     outputs = llm.generate(batch, GREEDY, use_tqdm=False)
-    assert outputs[0].outputs[0].finish_reason == "abort"
+    assert outputs[0].outputs[0].finish_reason == "error"
     assert all(o.outputs[0].finish_reason == "length" for o in outputs[1:])
 
 

@@ -271,8 +271,9 @@ def test_chat_validation_errors_are_400(server, body, param):
 def test_other_errors(server):
     assert_error(post(server, "/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "model")
     assert_error(post(server, "/v1/nothing", json={}), 404)
-    assert_error(post(server, "/v1/completions", content=b"{not json"), 400, text="JSON")
-    assert_error(post(server, "/v1/completions", content=b" " * (17 << 20)), 413)
+    json_type = {"Content-Type": "application/json"}  # without it: 415 (test_server_hardening.py)
+    assert_error(post(server, "/v1/completions", content=b"{not json", headers=json_type), 400, text="JSON")
+    assert_error(post(server, "/v1/completions", content=b" " * (17 << 20), headers=json_type), 413)
 
 
 def test_the_engine_keeps_serving_after_errors(server, client, tiny_llama_checkpoint):
