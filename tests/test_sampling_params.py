@@ -103,8 +103,12 @@ VALID = [
 
 
 @pytest.mark.parametrize("kwargs", VALID, ids=[str(sorted(k))[:60] for k in VALID])
-def test_values_on_the_edges_are_accepted(kwargs):
-    SamplingParams(**kwargs)
+def test_values_on_the_edges_are_accepted_as_given(kwargs):
+    params = SamplingParams(**kwargs)
+    expected = {name: tuple(value) if isinstance(value, list) else value for name, value in kwargs.items()}
+    if expected.get("top_k") == -1:
+        expected["top_k"] = 0  # -1 and 0 both mean off (test_top_k_minus_one_means_off)
+    assert {name: getattr(params, name) for name in kwargs} == expected
 
 
 def test_defaults():
