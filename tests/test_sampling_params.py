@@ -167,11 +167,11 @@ def test_frozen_and_replace_revalidates():
         dataclasses.replace(p, temperature=-0.5)
 
 
-def test_validate_token_ids():
+def test_validate_for_vocab():
     p = SamplingParams(stop_token_ids=[0, 99], logit_bias={99: 1.0})
-    p.validate_token_ids(100)
+    p.validate_for_vocab(100)
     with pytest.raises(ValueError, match=r"stop_token_ids token ids must be < vocab_size \(99\), got 99"):
-        p.validate_token_ids(99)
+        p.validate_for_vocab(99)
     with pytest.raises(ValueError, match=r"logit_bias token ids must be < vocab_size \(50\), got 60"):
-        SamplingParams(logit_bias={"60": -1}).validate_token_ids(50)
-    SamplingParams().validate_token_ids(1)
+        SamplingParams(logit_bias={"60": -1}).validate_for_vocab(50)
+    SamplingParams().validate_for_vocab(1)
