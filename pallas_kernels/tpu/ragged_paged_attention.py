@@ -5,8 +5,12 @@ It implements the contract of `jserve.attention.paged_attention` (the plain-JAX 
 Layout, and why:
 - Work is cut into rows as in the reference: each sequence with one new token (a decode) is a row of one
   query; longer chunks (prefills) are cut into rows of `block_q` consecutive queries of one sequence. The
-  row metadata is computed in plain JAX and scalar-prefetched into SMEM with the page tables; the grid walks
-  the rows, so every grid step attends to one sequence's pages.
+  row metadata is computed in plain JAX and scalar-prefetched into SMEM; the grid walks the rows, so every
+  grid step attends to one sequence's pages.
+- The page tables stay in HBM: each row DMAs its sequence's table into one of two SMEM slots, the next
+  row's while this one computes. Prefetching every table would need max_num_seqs x max_pages words of SMEM
+  (8 MiB for 256 sequences of 128k tokens in pages of 16, against 1 MiB of SMEM); two slots need
+  2 x max_pages (`smem_bytes` counts what a step needs).
 - q is gathered into [rows, kv_heads, queries * group, head_dim]: all query heads of a kv head, for all
   queries of the row, form one [M, head_dim] matrix, so GQA costs one MXU matmul per kv head and KV block
   and needs no in-kernel reshape. Outputs are scattered back to the flat token order.
@@ -36,6 +40,14 @@ from jax.experimental.pallas import tpu as pltpu
 MASK_VALUE = -1e30
 # The running max and denominator are kept replicated across a vreg's 128 lanes: whole-vreg stores.
 _LANES = 128
+BLOCK_Q = 32  # queries per prefill row
+# SMEM per TensorCore of TPU v4, v5e, v5p, v6e and 7x: 1 MiB (v2 and v3: 16 KiB), as jax lists them in
+# jax/_src/pallas/mosaic/tpu_info.py. A kernel's SMEM operands and scratch must fit in it beside Mosaic's own.
+SMEM_BYTES = 1 << 20
+# Mosaic lays 1-D SMEM arrays out in tiles of 128 32-bit words (as its own SMEM operands): sizes are
+# counted in whole tiles, and each page-table slot starts on one.
+_SMEM_TILE = 128
+_ROW_FIELDS = 4  # scalar-prefetched int32s per row: _Rows' fields besides first_token
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,11 @@ class _Config:
     def block_kv(self) -> int:
         return self.pages_per_block * self.page_size
 
+    @property
+    def table_stride(self) -> int:
+        """Words from one SMEM page-table slot to the next."""
+        return _smem_words(self.max_pages)
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -72,21 +89,52 @@ class _Rows:
 class _Refs:
     """The kernel's operands."""
 
-    page_tables: Any  # SMEM [S * max_pages]
     seq: Any  # SMEM [R]
     first_pos: Any  # SMEM [R]
     num_queries: Any  # SMEM [R]
     first_slot: Any  # SMEM [R]
+    tables_hbm: Any  # HBM [S * max_pages]: the page tables
     q: Any  # VMEM [kv_heads, M, head_dim]: this row's queries, M = queries_per_row * group
     k_hbm: Any  # HBM [num_pages, page_size, kv_heads, head_dim]
     v_hbm: Any
     out: Any  # VMEM [kv_heads, M, head_dim]
+    tables: Any  # SMEM [2 * table_stride]: the page tables of this row (slot row % 2) and the next
+    table_sem: Any  # DMA semaphore of the page-table copies (at most one in flight)
     k_buf: Any  # VMEM [2, block_kv, kv_heads, head_dim]: per slot, a KV block's pages back to back
     v_buf: Any
     sems: Any  # DMA semaphores [2], one per slot
     running_max: Any  # VMEM f32 [kv_heads, M, _LANES]
     denom: Any  # VMEM f32 [kv_heads, M, _LANES]: running softmax denominator
     acc: Any  # VMEM f32 [kv_heads, M, head_dim]: unnormalised output
+
+
+def _smem_words(n: int) -> int:
+    """Words of SMEM an int32 array of n elements takes."""
+    return pl.cdiv(n, _SMEM_TILE) * _SMEM_TILE
+
+
+def _row_groups(num_tokens: int, num_seqs: int, block_q: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(queries per row, most rows) of the decode launch and of the prefill launch. n queries take
+    ceil(n / per_row) rows, so prefills (chunks of two or more) take at most
+    (T - max_prefills) // block_q + max_prefills."""
+    max_prefills = min(num_seqs, num_tokens // 2)
+    return (1, min(num_seqs, num_tokens)), (block_q, (num_tokens - max_prefills) // block_q + max_prefills)
+
+
+def smem_capacity() -> int:
+    """SMEM per core of the TPU in context (this host's, or an abstract mesh's); SMEM_BYTES for a chip this
+    jax does not know."""
+    try:
+        return pltpu.get_tpu_info().smem_capacity_bytes
+    except ValueError:
+        return SMEM_BYTES
+
+
+def smem_bytes(num_tokens: int, num_seqs: int, max_pages: int, block_q: int = BLOCK_Q) -> int:
+    """SMEM a step of num_tokens queries in num_seqs sequence slots with page tables of max_pages columns
+    needs: per launch, its rows' scalar-prefetched metadata and two page-table slots."""
+    most_rows = max(num_rows for _, num_rows in _row_groups(num_tokens, num_seqs, block_q))
+    return 4 * (_ROW_FIELDS * _smem_words(most_rows) + 2 * _smem_words(max_pages))
 
 
 def _kv_span(
@@ -152,10 +200,17 @@ class _BlockCopy:
     def _copy_page(self, action: Callable[[Any], None], i: int, page: jax.Array) -> None:
         """Page `page` of the sequence -> the i-th page of the slot, for K and V."""
         refs, page_size = self.refs, self.cfg.page_size
-        physical = refs.page_tables[refs.seq[self.row] * self.cfg.max_pages + page]
+        physical = refs.tables[(self.row % 2) * self.cfg.table_stride + page]
         dst = pl.ds(i * page_size, page_size)
         for pages, buf in ((refs.k_hbm, refs.k_buf), (refs.v_hbm, refs.v_buf)):
             action(pltpu.make_async_copy(pages.at[physical], buf.at[self.slot, dst], refs.sems.at[self.slot]))
+
+
+def _table_copy(refs: _Refs, cfg: _Config, row: jax.Array) -> Any:
+    """The DMA of a row's sequence's page table from HBM into the row's SMEM slot."""
+    table = refs.tables_hbm.at[pl.ds(refs.seq[row] * cfg.max_pages, cfg.max_pages)]
+    slot = refs.tables.at[pl.ds((row % 2) * cfg.table_stride, cfg.max_pages)]
+    return pltpu.make_async_copy(table, slot, refs.table_sem)
 
 
 def _attend_block(refs: _Refs, cfg: _Config, kv_head: int, block: jax.Array, slot: jax.Array, row: jax.Array) -> None:
@@ -204,11 +259,27 @@ def _kernel(*operands: Any, cfg: _Config) -> None:
 
     first_block, end_block = blocks_of(row)
     prev_first, prev_end = blocks_of(jnp.maximum(row - 1, 0))
+    next_row = jnp.minimum(row + 1, num_rows - 1)
+    next_first, next_end = blocks_of(next_row)
+    has_blocks, prev_has_blocks = end_block > first_block, (row > 0) & (prev_end > prev_first)
+    next_has_blocks = (row + 1 < num_rows) & (next_end > next_first)
 
-    # The previous row prefetched this row's first block, unless it had no blocks to overlap it with.
-    @pl.when((end_block > first_block) & ((row == 0) | (prev_end == prev_first)))
+    # A row's page table is copied only if the row has blocks: started as the previous row begins (row 0's
+    # by itself), waited for just before its first K/V block's copy starts. The previous row starts that
+    # copy at its last block, unless it had no blocks to overlap it with.
+    @pl.when(has_blocks & (row == 0))
     def _():
+        _table_copy(refs, cfg, row).start()
+
+    @pl.when(has_blocks & ~prev_has_blocks)
+    def _():
+        _table_copy(refs, cfg, row).wait()
         _BlockCopy(refs, cfg, row, first_block, refs.first_slot[row]).start()
+
+    # The next row's table goes into the other slot, which the previous row has finished with.
+    @pl.when(next_has_blocks)
+    def _():
+        _table_copy(refs, cfg, next_row).start()
 
     refs.running_max[...] = jnp.full(refs.running_max.shape, MASK_VALUE, jnp.float32)
     refs.denom[...] = jnp.zeros(refs.denom.shape, jnp.float32)
@@ -217,15 +288,14 @@ def _kernel(*operands: Any, cfg: _Config) -> None:
     @pl.loop(first_block, end_block)
     def _(block):
         slot = (refs.first_slot[row] + block - first_block) % 2
-        next_row = jnp.minimum(row + 1, num_rows - 1)
-        next_first, next_end = blocks_of(next_row)
 
         @pl.when(block + 1 < end_block)
         def _():
             _BlockCopy(refs, cfg, row, block + 1, 1 - slot).start()
 
-        @pl.when((block + 1 == end_block) & (row + 1 < num_rows) & (next_end > next_first))
+        @pl.when((block + 1 == end_block) & next_has_blocks)
         def _():
+            _table_copy(refs, cfg, next_row).wait()
             _BlockCopy(refs, cfg, next_row, next_first, 1 - slot).start()
 
         _BlockCopy(refs, cfg, row, block, slot).wait()
@@ -257,17 +327,20 @@ def _attend_rows(
 
     # TPU layout: the block's last two dims (M, head_dim) are the array's full dims, legal for any M.
     row_spec = pl.BlockSpec((pl.Squeezed(), *rows_shape[1:]), lambda r, *_: (r, 0, 0, 0))
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     kv_buf = pltpu.VMEM((2, cfg.block_kv, kv_heads, head_dim), k_pages.dtype)
     stats = pltpu.VMEM((*rows_shape[1:3], _LANES), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg),
         out_shape=jax.ShapeDtypeStruct(rows_shape, q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=_ROW_FIELDS,
             grid=(num_rows,),
-            in_specs=[row_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[hbm, row_spec, hbm, hbm],
             out_specs=row_spec,
             scratch_shapes=[
+                pltpu.SMEM((2 * cfg.table_stride,), jnp.int32),
+                pltpu.SemaphoreType.DMA(()),
                 kv_buf,
                 kv_buf,
                 pltpu.SemaphoreType.DMA((2,)),
@@ -281,11 +354,11 @@ def _attend_rows(
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention",
     )(
-        page_tables.reshape(-1),  # 1-D: a 2-D SMEM array would be padded per row
         rows.seq,
         rows.first_pos,
         rows.num_queries,
         rows.first_slot,
+        page_tables.reshape(-1),  # 1-D, as the SMEM slots its rows are copied into
         q_rows.reshape(rows_shape),
         k_pages,
         v_pages,
@@ -309,7 +382,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,
-    block_q: int = 32,
+    block_q: int = BLOCK_Q,
     pages_per_block: int = 8,
 ) -> jax.Array:
     """q [T, heads, head_dim] attending to its sequences' (already written) pages -> [T, heads, head_dim].
@@ -327,15 +400,9 @@ def ragged_paged_attention(
         raise ValueError(f"block sizes must be positive, got {block_q=}, {pages_per_block=}")
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    max_prefills = min(num_seqs, num_tokens // 2)
-    # (sequences, queries per row, most rows they can need): n queries take ceil(n / per_row) rows, so
-    # prefills take at most (T - max_prefills) // block_q + max_prefills.
-    groups = (
-        (q_lens == 1, 1, min(num_seqs, num_tokens)),
-        (q_lens > 1, block_q, (num_tokens - max_prefills) // block_q + max_prefills),
-    )
     out = jnp.zeros(q.shape, q.dtype)
-    for selected, per_row, num_rows in groups:
+    decodes, prefills = _row_groups(num_tokens, num_seqs, block_q)
+    for selected, (per_row, num_rows) in ((q_lens == 1, decodes), (q_lens > 1, prefills)):
         if num_rows == 0:
             continue
         cfg = _Config(
