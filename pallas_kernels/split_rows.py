@@ -2,7 +2,9 @@
 
 A row is a run of consecutive query tokens of one sequence, described by ROW_FIELDS int32s: its first
 token, its number of tokens, the first token's position, its sequence. Decode rows (one token) walk their
-context in `splits` programs whose partial outputs are merged by their log-sum-exps.
+context in `splits` programs whose partial outputs are merged by their log-sum-exps; how many is chosen per
+step bucket from its sequence slots (`decode_splits`), so a lone decode still fills the GPU and a full batch
+pays no merge.
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ from jax.experimental import pallas as pl
 
 MASK_VALUE = -1e30  # finite: rows with nothing to attend to give zeros, not NaNs
 ROW_FIELDS = 4
+# The SMs of the GPU a kernel is lowered for when none says otherwise (a host without one): an H100's.
+DEFAULT_NUM_CORES = 132
+# Decode programs (sequence slots x KV heads x splits) per SM to aim for: a second resident program keeps
+# K/V loads in flight while the first waits on its own. (Not yet tuned on hardware.)
+PROGRAMS_PER_CORE = 2
+# At most this many splits: a lone decode of a 128k context is 2048 blocks of 64 keys, 64 blocks per split.
+MAX_KV_SPLITS = 32
 
 
 def default_pages_per_block(page_size: int) -> int:
@@ -26,12 +35,19 @@ def sequence_spans(context_lens, query_start_loc) -> tuple[jax.Array, jax.Array,
     return starts, q_lens, context_lens.astype(jnp.int32) - q_lens
 
 
-def split_tables(page_tables, pages_per_block: int, kv_splits: int | None) -> tuple[jax.Array, int, int]:
+def decode_splits(num_seqs: int, kv_heads: int, num_cores: int) -> int:
+    """Splits of each decode's context for a step of num_seqs sequence slots: enough for PROGRAMS_PER_CORE
+    decode programs (slots x KV heads x splits) per SM, and one when the slots alone give that many."""
+    return max(1, min(MAX_KV_SPLITS, pl.cdiv(PROGRAMS_PER_CORE * num_cores, num_seqs * kv_heads)))
+
+
+def split_tables(page_tables, pages_per_block: int, kv_splits: int) -> tuple[jax.Array, int, int]:
     """-> (page tables padded so every K/V block of every split reads inside them, kv_splits, blocks per split).
-    A decode's context of `pages_per_block`-page blocks is cut into `kv_splits` (default: up to 8) runs."""
+    A decode's context of `pages_per_block`-page blocks is cut into `kv_splits` runs (fewer if it has fewer
+    blocks)."""
     num_seqs, max_pages = page_tables.shape
     num_blocks = pl.cdiv(max_pages, pages_per_block)
-    kv_splits = max(1, min(8 if kv_splits is None else kv_splits, num_blocks))
+    kv_splits = max(1, min(kv_splits, num_blocks))
     blocks_per_split = pl.cdiv(num_blocks, kv_splits)
     padded_pages = kv_splits * blocks_per_split * pages_per_block  # page 0 stands in past the end; it is masked
     tables = jnp.pad(page_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))

@@ -47,6 +47,7 @@ class AttentionBackend:
     kernel: str = "reference"  # "reference", "cpu", "pallas-gpu", "pallas-mosaic-gpu" or "pallas-tpu"
     interpret: bool = False  # run the Pallas kernel in interpret mode (on CPU)
     mesh: Mesh | None = None  # tensor parallelism: each device attends its own heads (shard_map)
+    num_cores: int | None = None  # the GPU's SMs, which the GPU kernels size decode splits for (None: an H100's)
 
     def __call__(
         self,
@@ -83,6 +84,8 @@ def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale,
         attend = cpu_kernels.ragged_paged_attention
     else:
         attend = partial(_pallas_kernels(kernel).ragged_paged_attention, interpret=backend.interpret)
+        if backend.num_cores is not None:
+            attend = partial(attend, num_cores=backend.num_cores)
     out = attend(q, pages.k, pages.v, meta.context_lens, meta.page_tables, meta.query_start_loc,
                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
     return out, pages
@@ -151,7 +154,14 @@ def _backend_for(name: str, platform: str | None) -> AttentionBackend:
     if name == "pallas-mosaic-gpu":
         if platform == "tpu":
             raise ValueError("attention_backend 'pallas-mosaic-gpu' runs on NVIDIA GPUs (and interpreted on CPU)")
-        return AttentionBackend("pallas-mosaic-gpu", interpret=platform == "cpu")
+        return AttentionBackend("pallas-mosaic-gpu", interpret=platform == "cpu", num_cores=_gpu_cores(platform))
     if platform == "tpu":
         return AttentionBackend("pallas-tpu")
-    return AttentionBackend("pallas-gpu", interpret=platform == "cpu")
+    return AttentionBackend("pallas-gpu", interpret=platform == "cpu", num_cores=_gpu_cores(platform))
+
+
+def _gpu_cores(platform: str) -> int | None:
+    """The SMs of this host's GPU when the backend is for it; None when lowering for a GPU it does not have."""
+    if platform != "gpu" or jax.default_backend() != "gpu":
+        return None
+    return getattr(jax.devices()[0], "core_count", None)

@@ -1,5 +1,5 @@
 """Pallas kernels for NVIDIA GPUs (Triton lowering)."""
 
-from pallas_kernels.gpu.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.gpu.ragged_paged_attention import SHAPE_REQUIREMENT, ragged_paged_attention, supports
 
-__all__ = ["ragged_paged_attention"]
+__all__ = ["SHAPE_REQUIREMENT", "ragged_paged_attention", "supports"]

@@ -6,7 +6,8 @@ each K/V tile: the query tile is [row tokens x query heads, head_dim].
 
 - Decode rows (sequences with one new token) are split-KV (flash-decoding): the context is divided
   among `kv_splits` programs, which write partial outputs with their log-sum-exp; a small XLA
-  reduction merges them. Few long sequences still fill the GPU this way.
+  reduction merges them. Few long sequences still fill the GPU this way; a step with enough sequence
+  slots to fill it runs one split (`split_rows.decode_splits`).
 - Prefill rows hold up to `block_q` tokens and walk their context in one program, skipping K/V blocks
   past the causal limit of their last token or before the sliding window of their first.
 
@@ -28,9 +29,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.split_rows import (
+    DEFAULT_NUM_CORES,
     MASK_VALUE,
     ROW_FIELDS,
     decode_rows,
+    decode_splits,
     default_pages_per_block,
     merge_splits,
     prefill_rows,
@@ -39,6 +42,18 @@ from pallas_kernels.split_rows import (
 )
 
 MIN_DOT = 16  # Triton's dot wants every dimension >= 16
+# Triton's blocks are powers of two: the K/V pages a block loads, [pages_per_block, page_size, head_dim], and
+# the query tile's head_dim. The key blocks reach MIN_DOT whatever the page size.
+SHAPE_REQUIREMENT = f"page_size a power of two and head_dim a power of two >= {MIN_DOT}"
+
+
+def supports(*, page_size: int, head_dim: int) -> bool:
+    """Whether Triton lowers this kernel for pages [P, page_size, kv_heads, head_dim] (SHAPE_REQUIREMENT)."""
+    return _is_power_of_two(page_size) and _is_power_of_two(head_dim) and head_dim >= MIN_DOT
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def ragged_paged_attention(
@@ -56,15 +71,25 @@ def ragged_paged_attention(
     block_q: int = 16,
     pages_per_block: int | None = None,
     kv_splits: int | None = None,
+    num_cores: int = DEFAULT_NUM_CORES,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> jax.Array:
-    """q [T, heads, head_dim] over pages [P, page_size, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    """q [T, heads, head_dim] over pages [P, page_size, kv_heads, head_dim] -> [T, heads, head_dim].
+
+    kv_splits: the splits of a decode's context (default: from the step's sequence slots and the GPU's
+    `num_cores` SMs, `split_rows.decode_splits`).
+    """
     num_tokens, num_heads, head_dim = q.shape
-    page_size = k_pages.shape[1]
+    page_size, num_kv_heads = k_pages.shape[1:3]
+    if not supports(page_size=page_size, head_dim=head_dim):
+        raise ValueError(f"the Triton attention kernel needs {SHAPE_REQUIREMENT}, got {page_size=}, {head_dim=}")
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size)
-    pages_per_block = min(pages_per_block, pl.next_power_of_2(page_tables.shape[1]))
+    # No longer than the page tables, but at least MIN_DOT keys (a power of two: page_size is one).
+    pages_per_block = max(min(pages_per_block, pl.next_power_of_2(page_tables.shape[1])), pl.cdiv(MIN_DOT, page_size))
+    if kv_splits is None:
+        kv_splits = decode_splits(page_tables.shape[0], num_kv_heads, num_cores)
     tables, kv_splits, _ = split_tables(page_tables, pages_per_block, kv_splits)
     starts, q_lens, first_pos = sequence_spans(context_lens, query_start_loc)
     kernel_args = dict(

@@ -25,7 +25,8 @@ How work maps onto the GPU
   are float32 in registers (WGMMA layout); P goes back to the input dtype, through SMEM, for the
   P @ V WGMMA.
 - Decode rows are split-KV (flash-decoding): each of `kv_splits` programs writes a float32 partial
-  with its log-sum-exp and XLA merges them, so few long sequences still fill the GPU's 132 SMs.
+  with its log-sum-exp and XLA merges them, so few long sequences still fill the GPU's 132 SMs; a step
+  with enough sequence slots to fill them runs one split (`split_rows.decode_splits`).
   Prefill rows walk their whole context in one program and write normalised outputs.
 - Each program visits only the blocks between the sliding window's start for its first token and
   the causal end of its last token.
@@ -50,8 +51,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.split_rows import (
+    DEFAULT_NUM_CORES,
     MASK_VALUE,
     decode_rows,
+    decode_splits,
     default_pages_per_block,
     merge_splits,
     prefill_rows,
@@ -90,13 +93,15 @@ def ragged_paged_attention(
     tile_rows: int = WGMMA_M,
     pages_per_block: int | None = None,
     kv_splits: int | None = None,
+    num_cores: int = DEFAULT_NUM_CORES,
 ) -> jax.Array:
     """q [T, heads, head_dim] over pages [P, page_size, kv_heads, head_dim] -> [T, heads, head_dim].
 
     `interpret`: False compiles for the GPU; True (or an `InterpretGPUParams`) runs Pallas' GPU
     interpreter on the host. `tile_rows` (a multiple of 64) is the (token, query head) rows per tile;
     `pages_per_block` the pages per K/V block (default: 64 keys); `kv_splits` the splits of a
-    decode's context (default: up to 8).
+    decode's context (default: from the step's sequence slots and the GPU's `num_cores` SMs,
+    `split_rows.decode_splits`).
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1:3]
@@ -117,6 +122,8 @@ def ragged_paged_attention(
         raise ValueError(f"need head_dim and pages_per_block * page_size multiples of 64, page_size of 8: "
                          f"{head_dim=} {page_size=} {pages_per_block=}")  # fmt: skip
 
+    if kv_splits is None:
+        kv_splits = decode_splits(page_tables.shape[0], num_kv_heads, num_cores)
     tables, kv_splits, blocks_per_split = split_tables(page_tables, pages_per_block, kv_splits)
     starts, q_lens, first_pos = sequence_spans(context_lens, query_start_loc)
     attend = functools.partial(
