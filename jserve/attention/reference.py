@@ -21,6 +21,7 @@ from jserve.attention.metadata import AttentionMetadata
 # Finite, so fully masked rows (padding tokens) give zeros rather than NaNs.
 MASK_VALUE = -1e30
 QUERY_BLOCK = 16
+PAGES_PER_BLOCK = 8  # pages a row gathers per step of its walk
 
 
 def write_kv(pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
@@ -49,7 +50,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    pages_per_block: int = 8,
+    pages_per_block: int = PAGES_PER_BLOCK,
 ) -> jax.Array:
     """q [T, heads, head_dim] -> attention output [T, heads, head_dim] over the (already written) pages."""
     num_tokens = q.shape[0]
@@ -62,7 +63,7 @@ def paged_attention(
     decode_seqs = jnp.arange(num_seqs)
 
     # Prefill rows: chunks of two or more queries, QUERY_BLOCK at a time.
-    max_rows = num_tokens // QUERY_BLOCK + min(num_seqs, num_tokens // 2)
+    max_rows = _max_prefill_rows(num_tokens, num_seqs)
     rows_per_seq = jnp.where(q_lens > 1, -(-q_lens // QUERY_BLOCK), 0)
     row_ends = jnp.cumsum(rows_per_seq)
     row = jnp.arange(max_rows)
@@ -82,6 +83,21 @@ def paged_attention(
         # A group with no queries this step (no decodes, or no prefill chunks) costs nothing.
         out = jax.lax.cond((tokens < num_tokens).any(), add_group, lambda out, *_: out, out, tokens, seqs)
     return out.astype(q.dtype)
+
+
+def _max_prefill_rows(num_tokens: int, num_seqs: int) -> int:
+    return num_tokens // QUERY_BLOCK + min(num_seqs, num_tokens // 2)  # each chunk adds <= 1 partial row
+
+
+def workspace_bytes(num_tokens: int, num_seqs: int, *, heads: int, kv_heads: int, head_dim: int, page_size: int) -> int:
+    """An upper bound on the bytes of one call's float32 work arrays, both row groups at once: per row, a
+    block's gathered K and V, its scores, probabilities and mask, the scaled queries and the accumulator."""
+    keys = PAGES_PER_BLOCK * page_size
+
+    def group(rows: int, queries: int) -> int:
+        return rows * (2 * keys * kv_heads * head_dim + 3 * queries * heads * keys + 2 * queries * heads * head_dim)
+
+    return 4 * (group(num_seqs, 1) + group(_max_prefill_rows(num_tokens, num_seqs), QUERY_BLOCK))
 
 
 def _attend_rows(q, pages, meta, tokens, seqs, scale, sliding_window, soft_cap, pages_per_block):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jserve.attention import kv_cache_bytes_per_token
+from jserve.attention import fit_attention_backend, kv_cache_bytes_per_token, reference
 from jserve.config import ModelConfig
 
 log = logging.getLogger("jserve")
@@ -22,6 +22,13 @@ MIN_TOKEN_BUCKET = 16
 # compile time to every start-up.
 SINGLE_DECODE_BUCKET = 1
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")  # only "priority" honours a request's priority
+# On an accelerator the KV cache gets the free memory less the largest step's workspace (step_workspace_bytes)
+# and this share of it, for what no formula sees: allocator fragmentation, cuBLAS/cuDNN workspaces, the
+# compiled executables.
+MEMORY_HEADROOM = 0.05
+# [S, vocab] float32 arrays the sampler holds at once: the logits and the 8 its compiled memory_analysis
+# counts on CPU (biased, penalised and scaled logits, noise, sort keys...), and 2 for a GPU sort's scratch.
+SAMPLER_LOGITS_COPIES = 11
 
 
 @dataclass(frozen=True)
@@ -57,15 +64,51 @@ class EngineConfig:
         return min(token_bucket, self.max_num_seqs)
 
 
-def default_kv_cache_memory() -> int:
-    """Bytes for the KV pool: on CPU a quarter of RAM up to 4 GiB; on accelerators 85% of what is free."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return min(4 * GiB, total // 4)
-    stats = device.memory_stats() or {}
-    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-    return int(0.85 * free)
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What one device offers the engine, read from it at start-up (tests pass their own)."""
+
+    platform: str  # "cpu", "gpu" or "tpu"
+    memory: int  # bytes: the host's RAM on CPU; elsewhere what the device's allocator has free
+    smem_bytes: int = 0  # a TPU core's scalar memory (0 elsewhere)
+
+    @staticmethod
+    def of_default_device() -> DeviceLimits:
+        device = jax.devices()[0]
+        if device.platform == "cpu":
+            return DeviceLimits("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        stats = device.memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        if device.platform == "tpu":
+            from pallas_kernels import tpu
+
+            return DeviceLimits("tpu", free, tpu.smem_capacity())
+        return DeviceLimits(device.platform, free)
+
+
+def step_workspace_bytes(model: ModelConfig, page_size: int, num_tokens: int, num_seqs: int, max_num_seqs: int) -> int:
+    """An upper bound on the device memory a step of num_tokens tokens in num_seqs sequence slots needs besides
+    the weights and the KV cache. Counted in float32 whatever the dtype, with its phases added although they
+    run one after the other (slack for what an accelerator's compiler lays out differently):
+    - one decoder layer's activations: the residual, its norm, the attention and MLP outputs (4 x hidden),
+      q/k/v before and after RoPE and the attention output, gate/up and their product (3 x intermediate);
+    - attention's work arrays, as the reference's (the Pallas kernels gather less);
+    - the sampler's copies of the [num_seqs, vocab] logits;
+    - the penalty state of max_num_seqs rows (bool + int32 per token), allocated after the KV cache."""
+    qkv_heads = model.num_heads + 2 * model.num_kv_heads
+    widths = 4 * model.hidden_size + (2 * qkv_heads + model.num_heads) * model.head_dim + 3 * model.intermediate_size
+    attention = reference.workspace_bytes(num_tokens, num_seqs, heads=model.num_heads, kv_heads=model.num_kv_heads,
+                                          head_dim=model.head_dim, page_size=page_size)  # fmt: skip
+    logits = SAMPLER_LOGITS_COPIES * num_seqs * model.vocab_size
+    return 4 * (num_tokens * widths + logits) + attention + 5 * max_num_seqs * model.vocab_size
+
+
+def default_kv_cache_memory(limits: DeviceLimits, step_workspace: int) -> int:
+    """Bytes for the KV pool: on CPU a quarter of RAM up to 4 GiB; on accelerators what is free once the
+    largest step's workspace and MEMORY_HEADROOM are set aside, so that warm-up cannot run out."""
+    if limits.platform == "cpu":
+        return min(4 * GiB, limits.memory // 4)
+    return max(0, int((1 - MEMORY_HEADROOM) * limits.memory) - step_workspace)
 
 
 def resolve_engine_config(
@@ -84,10 +127,13 @@ def resolve_engine_config(
     tensor_parallel_size: int = 1,
     async_scheduling: bool = True,
     kv_cache_dtype: str = "auto",
+    limits: DeviceLimits | None = None,
 ) -> EngineConfig:
     """`model` is the config as built (KV heads replicated for tensor parallelism); kv_cache_memory is
-    per device, and each device holds 1/tensor_parallel_size of every page."""
-    on_cpu = jax.default_backend() == "cpu"
+    per device, and each device holds 1/tensor_parallel_size of every page. `limits`: the device's (default:
+    read from the default device)."""
+    limits = limits or DeviceLimits.of_default_device()
+    on_cpu = limits.platform == "cpu"
     max_model_len = max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model.max_position_embeddings} positions")
@@ -98,15 +144,29 @@ def resolve_engine_config(
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype == "auto" else kv_cache_dtype).name
+    attention_backend = fit_attention_backend(
+        attention_backend, limits.platform, head_dim=model.head_dim, page_size=page_size,
+        kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, num_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, smem_bytes=limits.smem_bytes,
+    )  # fmt: skip
     page_bytes = page_size * kv_cache_bytes_per_token(model, kv_cache_dtype) // tensor_parallel_size
-    memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory()
+    largest_step = (max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
+    workspace = step_workspace_bytes(model, page_size, *largest_step, max_num_seqs)
+    memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory(limits, workspace)
+    if not on_cpu and memory > default_kv_cache_memory(limits, workspace):
+        log.warning("kv_cache_memory of %.2f GiB leaves the largest step less than the %.2f GiB it may need: "
+                    "warm-up may run out of memory", memory / GiB, workspace / GiB)  # fmt: skip
     num_pages = memory // page_bytes
     if kv_cache_memory is None:  # never more than every sequence slot at full length could use
         num_pages = min(num_pages, max_num_seqs * -(-max_model_len // page_size))
     if num_pages * page_size < max_model_len:
+        set_aside = "" if on_cpu or kv_cache_memory is not None else (
+            f" ({workspace / GiB:.2f} GiB of the free {limits.memory / GiB:.2f} GiB set aside for the step of "
+            f"max_num_batched_tokens {max_num_batched_tokens} and max_num_seqs {max_num_seqs})"
+        )  # fmt: skip
         raise ValueError(
-            f"KV cache of {memory / GiB:.2f} GiB holds {num_pages * page_size} tokens, fewer than max_model_len "
-            f"{max_model_len}; raise kv_cache_memory or lower max_model_len"
+            f"KV cache of {memory / GiB:.2f} GiB{set_aside} holds {num_pages * page_size} tokens, fewer than "
+            f"max_model_len {max_model_len}; raise kv_cache_memory or lower max_model_len"
         )
     if schedule_policy not in SCHEDULE_POLICIES:
         raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
