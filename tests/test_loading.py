@@ -91,7 +91,9 @@ def test_bfloat16_loads_straight_to_bfloat16(llama_folder):
     folder, _ = llama_folder
     model = load_model(folder, "bfloat16")
     assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {np.dtype("bfloat16")}
-    assert np.isfinite(jserve_prompt_logits(model, PROMPT)).all()
+    # The float32 model's logits to bfloat16's precision: measured max |diff| 0.29 on logits up to 9.8.
+    full = jserve_prompt_logits(load_model(folder, "float32"), PROMPT)
+    np.testing.assert_allclose(jserve_prompt_logits(model, PROMPT), full, atol=0.05 * np.abs(full).max(), rtol=0)
 
 
 def test_orbax_round_trip_gives_identical_params(tmp_path, llama_folder):
