@@ -74,14 +74,16 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
         self._busy = False  # requests were unfinished after the last step: the next one is back to back
         log.info(
-            "KV cache: %d pages = %d tokens of %s; max concurrency at max_model_len %d: %.1f",
-            config.num_pages, config.num_pages * config.page_size, config.kv_cache_dtype, config.max_model_len,
+            "KV cache: %d pages of %d tokens = %d tokens of %s, %.2f GiB; max concurrency at max_model_len %d: %.1f",
+            config.num_pages, config.page_size, config.num_pages * config.page_size, config.kv_cache_dtype,
+            sum(pages.nbytes for pages in jax.tree.leaves(self.runner.kv_cache)) / 2**30, config.max_model_len,
             config.num_pages * config.page_size / config.max_model_len,
         )  # fmt: skip
         log.info("Prefix caching %s; schedule policy %s; async scheduling %s",
                  "on" if config.enable_prefix_caching else "off", config.schedule_policy,
                  "on" if config.async_scheduling else "off")  # fmt: skip
         self.runner.warm_up()
+        self.stats.start()
 
     # --- requests in -----------------------------------------------------------------------------
 
@@ -184,6 +186,8 @@ class LLMEngine:
         scheduling: the host works while the device runs) or of this one; returns the outputs of every
         request that changed."""
         start = time.perf_counter()
+        if not self._busy:
+            self.stats.resume()
         changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
         scheduled = self.scheduler.schedule()
         self.stats.preemptions += len(scheduled.preempted)

@@ -22,24 +22,37 @@ class EngineStats:
     preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
-    _last_log: float = field(default_factory=time.monotonic, repr=False)
+    _last_log: float = field(default_factory=time.monotonic, repr=False)  # the interval's start
+    _last_step_end: float = field(default_factory=time.monotonic, repr=False)
     _last_counts: tuple[int, int] = (0, 0)
 
     @property
     def device_idle_fraction(self) -> float:
         return self.device_idle_s / max(self.device_idle_s + self.device_busy_s, 1e-9)
 
-    def maybe_log(self, running: int, waiting: int, kv_used: float) -> None:
+    def start(self) -> None:
+        """Start the first interval once the engine is ready: loading and warm-up are no one's throughput."""
+        self._last_log = self._last_step_end = time.monotonic()
+
+    def resume(self) -> None:
+        """Work arrives after an idle spell: leave the spell out of the interval the rates are taken over."""
         now = time.monotonic()
+        self._last_log += now - self._last_step_end
+        self._last_step_end = now
+
+    def maybe_log(self, running: int, waiting: int, kv_used: float) -> None:
+        """After a step: every LOG_INTERVAL_S of work, a line with the interval's rates."""
+        now = self._last_step_end = time.monotonic()
         elapsed = now - self._last_log
-        if elapsed < LOG_INTERVAL_S:
-            return
         prompt, generated = self.prompt_tokens - self._last_counts[0], self.generated_tokens - self._last_counts[1]
+        if elapsed < LOG_INTERVAL_S or prompt + generated == 0:
+            return
         hit_rate = 100 * self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
         log.info(
-            "prefill %.1f tok/s, generation %.1f tok/s; running %d, waiting %d; KV cache %.0f%% used by requests; "
-            "prefix cache hit rate %.1f%%; host %.1f ms/step, device idle %.1f%%; %d preemptions so far",
-            prompt / elapsed, generated / elapsed, running, waiting, 100 * kv_used, hit_rate,
+            "prefill %.1f tok/s, generation %.1f tok/s over %.0fs of work; running %d, waiting %d; KV cache %.0f%% "
+            "used by requests; prefix cache hit rate %.1f%%; host %.1f ms/step, device idle %.1f%%; "
+            "%d preemptions so far",
+            prompt / elapsed, generated / elapsed, elapsed, running, waiting, 100 * kv_used, hit_rate,
             1000 * self.host_s / max(self.steps, 1), 100 * self.device_idle_fraction, self.preemptions,
         )  # fmt: skip
         self._last_log, self._last_counts = now, (self.prompt_tokens, self.generated_tokens)

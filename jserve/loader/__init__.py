@@ -101,6 +101,7 @@ def load_model(
         "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s activations, %s weights (%.0f MB)",
         config.family, source.path, source.kind, time.perf_counter() - start, config.num_layers,
         num_params / 1e6, target_dtype.name,
-        "int8" if quantization != "none" else target_dtype.name, sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
+        f"int8 ({quantization})" if quantization != "none" else target_dtype.name,
+        sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
     return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh, quantization)
