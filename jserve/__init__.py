@@ -1,8 +1,9 @@
 """jserve: an LLM inference engine on JAX."""
 
+from jserve.config_file import load_config
 from jserve.llm import LLM, generate
 from jserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "generate"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "generate", "load_config"]

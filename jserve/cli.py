@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from jserve.config_file import parse_args
 from jserve.engine.args import DTYPES, EngineArgs
 from jserve.errors import JServeError
 from jserve.parallel.distributed import DistributedArgs, is_leader
@@ -163,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     DistributedArgs.add_cli_args(srv)
     srv.set_defaults(run=cmd_serve)
 
+    for command in (gen, chat, srv):
+        command.add_argument("--config", default=None, metavar="FILE.yaml",
+                             help="settings as `flag-name: value` lines (configs/ has presets); flags given on "
+                             "the command line override the file's")  # fmt: skip
+
     conv = sub.add_parser("convert", help="write a model as a jserve Orbax checkpoint, which loads faster")
     conv.add_argument("src", help="GGUF file, HF folder or jserve folder")
     conv.add_argument("dst", help="new folder to write")
@@ -182,7 +188,7 @@ def run_command(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     # One root handler (replacing any a library set up, so no line prints twice); INFO for jserve's own
     # log only, so JAX's backend probing stays quiet.
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING, force=True)
