@@ -23,6 +23,9 @@ class LLM:
         self,
         model: str | os.PathLike | None = None,
         *,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        gguf_file: str | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
@@ -40,6 +43,9 @@ class LLM:
     ):
         self.engine = EngineArgs(
             model=model,
+            revision=revision,
+            download_dir=download_dir,
+            gguf_file=gguf_file,
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,

@@ -126,9 +126,7 @@ def test_hub_id_resolves_from_local_hf_cache(tmp_path, llama_folder, monkeypatch
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert load_model("acme/tiny-llama", "float32").config.family == "llama"
-    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache.*local path"):
-        load_model("acme/absent-model")
+    assert load_model("acme/tiny-llama", "float32").config.family == "llama"  # no download: tests/test_hub.py
 
 
 # --- bad input: one clear error each, naming the file and what was expected -------------------------

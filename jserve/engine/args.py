@@ -34,6 +34,9 @@ def enable_compilation_cache() -> None:
 @dataclass(frozen=True)
 class EngineArgs:
     model: str | os.PathLike | None = None  # None = the default model, SmolLM2-135M-Instruct
+    revision: str | None = None  # of a hub model: a branch, tag or commit (None: main)
+    download_dir: str | None = None  # where hub models are looked up and downloaded (None: the HF cache)
+    gguf_file: str | None = None  # the one GGUF file to load from a hub repo or a local folder
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -53,7 +56,15 @@ class EngineArgs:
         start = time.perf_counter()
         enable_compilation_cache()
         mesh = make_mesh(self.tensor_parallel_size)
-        loaded = load_model(self.model, dtype=self.dtype, mesh=mesh, quantization=self.quantization)
+        loaded = load_model(
+            self.model,
+            dtype=self.dtype,
+            mesh=mesh,
+            quantization=self.quantization,
+            revision=self.revision,
+            download_dir=self.download_dir,
+            gguf_file=self.gguf_file,
+        )
         config = resolve_engine_config(
             loaded.config,
             loaded.dtype,
@@ -80,8 +91,15 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
         """Engine flags, named as vLLM names them (`serve` takes the model as a positional argument)."""
         if model_flag:
-            parser.add_argument("--model", default=None, help="GGUF file, HF folder or hub id in the local cache, "
-                                "jserve folder (default: SmolLM2-135M-Instruct)")  # fmt: skip
+            parser.add_argument("--model", default=None, help="GGUF file, HF folder, jserve folder, or hub id "
+                                "(org/name or org/name:FILE.gguf, downloaded unless cached; default: "
+                                "SmolLM2-135M-Instruct)")  # fmt: skip
+        parser.add_argument("--revision", default=None, help="branch, tag or commit of a hub model (default: main)")
+        parser.add_argument("--download-dir", default=None,
+                            help="where hub models are looked up and downloaded (default: the Hugging Face cache, "
+                            "HF_HUB_CACHE)")  # fmt: skip
+        parser.add_argument("--gguf-file", default=None,
+                            help="load this one GGUF file of a hub repo (or of a local folder of several)")  # fmt: skip
         parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 elsewhere")
         parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's context length")
         parser.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (CPU 64, else 256)")

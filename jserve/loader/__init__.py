@@ -58,15 +58,22 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
 
 
 def load_model(
-    model: str | os.PathLike | None = None, dtype: str = "auto", mesh: Mesh | None = None, quantization: str = "none"
+    model: str | os.PathLike | None = None,
+    dtype: str = "auto",
+    mesh: Mesh | None = None,
+    quantization: str = "none",
+    revision: str | None = None,
+    download_dir: str | os.PathLike | None = None,
+    gguf_file: str | None = None,
 ) -> LoadedModel:
-    """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder or hub id
-    in the local HF cache, a `jserve convert` folder, or `random:<shape>` (random weights, see MODEL_SHAPES).
-    `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization)."""
+    """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder, a hub id
+    (`org/name`, or `org/name:FILE.gguf`: from the HF cache, downloaded if absent), a `jserve convert` folder,
+    or `random:<shape>` (random weights, see MODEL_SHAPES). `revision`, `download_dir`, `gguf_file`: see
+    resolve_model. `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     target_dtype = resolve_dtype(dtype)
-    source = resolve_model(model)
+    source = resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
     start = time.perf_counter()
     if source.kind == "gguf":
         reader = open_gguf(source.path)

@@ -31,15 +31,23 @@ DTYPES = {
 }
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard file names a safetensors index maps tensors to, in first-use order."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return list(dict.fromkeys(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise ModelLoadError(f"{index}: not a valid safetensors index ({err!r})") from None
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's shard files: from model.safetensors.index.json when present, else every *.safetensors."""
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise ModelLoadError(f"{index}: not a valid safetensors index ({err!r})") from None
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        files = [folder / name for name in index_shards(index)]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelLoadError(f"{index} lists shard files that are missing: {', '.join(missing)}")
