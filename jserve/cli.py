@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(run=cmd_chat)
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    srv.add_argument("model", nargs="?", default=None, help="GGUF file, HF folder or hub id in the local cache, "
-                     "jserve folder (default: SmolLM2-135M-Instruct)")  # fmt: skip
+    srv.add_argument("model", nargs="?", default=None, help="GGUF file, HF folder, jserve folder, or hub id (org/name "
+                     "or org/name:FILE.gguf, downloaded unless cached; default: SmolLM2-135M-Instruct)")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set JSERVE_API_KEY)")
