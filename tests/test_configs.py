@@ -5,6 +5,7 @@ presets answer a prompt."""
 import dataclasses
 import inspect
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -207,14 +208,14 @@ def test_the_cpu_preset_answers(smollm2_gguf_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "The capital of France is Paris."
     assert "(token buckets 1, 16, 32, 64)" in done.stderr  # the command line's budget, not the file's 512
-    assert "of float32; max concurrency at max_model_len 512" in done.stderr
+    assert re.search(r"of float32, [\d.]+ GiB; max concurrency at max_model_len 512", done.stderr)
 
 
 def test_the_fast_cpu_preset_answers(smollm2_gguf_path):
     done = run_generate("cpu-fast.yaml")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()  # w8a8 parts from float32's greedy reply here: a reply, not necessarily "Paris"
-    assert "of bfloat16; max concurrency at max_model_len 512" in done.stderr
+    assert re.search(r"of bfloat16, [\d.]+ GiB; max concurrency at max_model_len 512", done.stderr)
 
 
 def test_serve_runs_a_preset_with_server_keys_added(smollm2_gguf_path, tmp_path):
