@@ -245,3 +245,14 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
     with pytest.raises(cpu_kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
         cpu_kernels.build()
+
+
+def test_loading_the_kernels_leaves_the_process_floating_point_alone():
+    """Built with -ffast-math but linked without it: no flush-to-zero switched on for the user's numpy."""
+    import subprocess
+    import sys
+
+    check = ("import numpy as np; from jserve import cpu_kernels; cpu_kernels.load(); "
+             "assert np.float32(1e-40) * np.float32(2) != 0, 'subnormals flushed to zero'")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr

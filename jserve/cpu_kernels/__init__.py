@@ -36,7 +36,10 @@ TARGETS = {  # XLA name: exported symbol
     "jserve_zero_pages": "JserveZeroPages",
     "jserve_write_kv": "JserveWriteKv",
 }
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
+# Linked apart, without -ffast-math: with it GCC links crtfastmath.o, which switches on flush-to-zero for
+# the whole process when the library loads, and the user's numpy would lose its subnormals.
+LINK_FLAGS = ("-shared",)
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the kernel's instantiations (AttendItem)
 
 
@@ -60,7 +63,7 @@ def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
-    for part in (compiler, " ".join(FLAGS), jax.__version__, platform.machine(), _cpu_flags()):
+    for part in (compiler, " ".join(COMPILE_FLAGS + LINK_FLAGS), jax.__version__, platform.machine(), _cpu_flags()):
         key.update(part.encode())
     return cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
@@ -76,14 +79,19 @@ def build() -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     log.info("Building jserve's CPU kernels with %s", compiler)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        built = Path(tmp) / library.name
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(built)]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            errors = [line for line in result.stderr.splitlines() if "error" in line]
-            raise KernelUnavailable("building jserve's CPU kernels failed:\n" + "\n".join(errors[:10]))
+        built, objects = Path(tmp) / library.name, [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        for source, obj in zip(SOURCES, objects, strict=True):
+            _run([compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", str(obj)])
+        _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built)])
         os.replace(built, library)  # atomic: concurrent builders each publish a whole library
     return library
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        raise KernelUnavailable("building jserve's CPU kernels failed:\n" + "\n".join(errors[:10]))
 
 
 @functools.cache
