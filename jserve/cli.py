@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -32,7 +31,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def build_llm(args: argparse.Namespace):
     from jserve.llm import LLM
 
-    return LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def sampling_params(args: argparse.Namespace):
@@ -150,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(run=cmd_chat)
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    srv.add_argument("model", nargs="?", default=None, help="GGUF file, HF folder, jserve folder, or hub id (org/name "
-                     "or org/name:FILE.gguf, downloaded unless cached; default: SmolLM2-135M-Instruct)")  # fmt: skip
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set JSERVE_API_KEY)")
@@ -160,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a stop signal waits for requests in flight before aborting them")  # fmt: skip
-    EngineArgs.add_cli_args(srv, model_flag=False)
+    EngineArgs.add_cli_args(srv, positional_model=True)
     DistributedArgs.add_cli_args(srv)
     srv.set_defaults(run=cmd_serve)
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from jserve.engine.args import EngineArgs
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
+from jserve.setting import build
 
 Prompt = str | list[int]
 Messages = list[dict]
@@ -19,48 +21,22 @@ Messages = list[dict]
 class LLM:
     """A model with its engine. `LLM()` serves the default model, SmolLM2-135M-Instruct."""
 
-    def __init__(
-        self,
-        model: str | os.PathLike | None = None,
-        *,
-        revision: str | None = None,
-        download_dir: str | None = None,
-        gguf_file: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        page_size: int = 16,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        schedule_policy: str = "fcfs",
-        tensor_parallel_size: int = 1,
-        seed: int = 0,
-        attention_backend: str = "auto",
-        quantization: str = "none",
-        async_scheduling: bool = True,
-        kv_cache_dtype: str = "auto",
-    ):
-        self.engine = EngineArgs(
-            model=model,
-            revision=revision,
-            download_dir=download_dir,
-            gguf_file=gguf_file,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            page_size=page_size,
-            kv_cache_memory=kv_cache_memory,
-            enable_prefix_caching=enable_prefix_caching,
-            schedule_policy=schedule_policy,
-            tensor_parallel_size=tensor_parallel_size,
-            seed=seed,
-            attention_backend=attention_backend,
-            quantization=quantization,
-            async_scheduling=async_scheduling,
-            kv_cache_dtype=kv_cache_dtype,
-        ).create_engine()
+    def __init__(self, model: str | os.PathLike | None = None, **settings: Any):
+        """`model`: a GGUF file, a Hugging Face or jserve folder, or a hub id (default: SmolLM2-135M-Instruct).
+        `settings`: the fields of `EngineArgs` (jserve/engine/args.py, each with its help; `jserve serve --help`
+        prints them), explained with their trade-offs in docs/configuration.md. A name that is no setting is a
+        TypeError suggesting the closest one."""
+        self._start(build(EngineArgs, model=model, **settings))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An LLM from settings gathered already, as the commands gather them from their flags."""
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
+        self.engine = args.create_engine()
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):

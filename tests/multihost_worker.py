@@ -7,7 +7,6 @@ engine flags it is given (the followers get the same flags through `jserve gener
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 from jserve import LLM, SamplingParams
@@ -22,7 +21,7 @@ def main() -> None:
     DistributedArgs.add_cli_args(parser)
     args = parser.parse_args()
     DistributedArgs.from_cli_args(args).initialize()
-    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     outputs = llm.generate(json.loads(args.prompts), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                            use_tqdm=False)  # fmt: skip
     llm.close()

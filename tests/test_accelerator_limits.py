@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jserve.engine.args import EngineArgs
 from jserve.engine.config import MEMORY_HEADROOM, DeviceLimits, GiB, resolve_engine_config, step_workspace_bytes
 from jserve.loader.random_weights import MODEL_SHAPES
 from pallas_kernels import gpu, tpu
@@ -25,9 +26,7 @@ H100 = DeviceLimits("gpu", 79 * GiB)
 
 
 def resolve(model, limits, **settings):
-    defaults = dict(max_model_len=None, max_num_seqs=None, max_num_batched_tokens=None, page_size=16,
-                    kv_cache_memory=None, seed=0)  # fmt: skip
-    return resolve_engine_config(model, jnp.bfloat16, **(defaults | settings), limits=limits)
+    return resolve_engine_config(EngineArgs(**settings), model, jnp.bfloat16, limits=limits)
 
 
 def test_an_8b_llama_at_its_full_context_fits_a_tpu_cores_smem():

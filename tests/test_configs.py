@@ -3,7 +3,6 @@ bad file is one error naming its key and path, the accelerator presets fit their
 presets answer a prompt."""
 
 import dataclasses
-import inspect
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import httpx
 import jax.numpy as jnp
 import pytest
 
-from jserve import LLM, load_config
+from jserve import load_config
 from jserve.cli import build_parser, main
 from jserve.config_file import parse_args
 from jserve.engine.args import EngineArgs
@@ -54,7 +53,7 @@ def test_every_preset_sets_its_values_for_every_command(preset, command):
     settings = load_config(preset)
     assert settings and {name: getattr(args, name) for name in settings} == settings
     EngineArgs.from_cli_args(args)
-    inspect.signature(LLM).bind(**settings)  # LLM(**load_config(path)) takes every key
+    EngineArgs(**settings)  # LLM(**load_config(path)) takes every key: LLM's keywords are EngineArgs' fields
 
 
 def test_flags_on_the_command_line_override_the_file(tmp_path):
@@ -177,10 +176,7 @@ def test_an_accelerator_preset_passes_the_start_up_checks_of_its_machine(name):
     tp = settings.get("tensor_parallel_size", 1)
     built = tensor_parallel_config(shape, tp)
     limits = DeviceLimits(platform, int(memory) - bfloat16_weights_per_device(shape, tp), smem_bytes=1 << 20)
-    params = inspect.signature(resolve_engine_config).parameters.values()
-    keywords = {p.name for p in params if p.kind == p.KEYWORD_ONLY}  # the engine settings it resolves
-    engine = {k: v for k, v in dataclasses.asdict(EngineArgs(**settings)).items() if k in keywords}
-    config = resolve_engine_config(built, jnp.bfloat16, **engine, limits=limits)
+    config = resolve_engine_config(EngineArgs(**settings), built, jnp.bfloat16, limits=limits)
     assert config.attention_backend == settings["attention_backend"]
     assert config.num_pages * config.page_size >= 4 * config.max_model_len  # room for several long requests
 

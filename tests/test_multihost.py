@@ -2,7 +2,6 @@
 through jax.distributed (gloo collectives on CPU) and split a tiny model four ways. Process 0 generates;
 process 1 is a plain `jserve generate` that follows it. The tokens must equal one device's."""
 
-import dataclasses
 import json
 import os
 import socket
@@ -51,7 +50,7 @@ def test_two_processes_split_one_model_and_match_one_device(tmp_path):
     assert "Process 1 of 2: 2 local of 4 devices" in follower_log
     result = json.loads(leader.stdout.strip().splitlines()[-1])
 
-    one = LLM(**dataclasses.asdict(EngineArgs(model=tmp_path, **ENGINE)))
+    one = LLM.from_engine_args(EngineArgs(model=tmp_path, **ENGINE))
     expected = one.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert result["tokens"] == [o.outputs[0].token_ids for o in expected]
     assert result["cached"][2] > 0  # the shared system prompt hit the prefix cache across hosts too

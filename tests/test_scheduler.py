@@ -11,7 +11,8 @@ from jserve.engine.stats import EngineStats
 
 def make_scheduler(budget=64, seqs=8, pages=64, page_size=4, caching=False, policy="fcfs") -> Scheduler:
     config = EngineConfig(max_model_len=256, max_num_seqs=seqs, max_num_batched_tokens=budget, page_size=page_size,
-                          num_pages=pages, enable_prefix_caching=caching, schedule_policy=policy)  # fmt: skip
+                          num_pages=pages, seed=0, enable_prefix_caching=caching, schedule_policy=policy,
+                          attention_backend="auto", async_scheduling=True, kv_cache_dtype="float32")  # fmt: skip
     return Scheduler(config, EngineStats())
 
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from jserve.attention import fit_attention_backend, kv_cache_bytes_per_token, reference
 from jserve.config import ModelConfig
+
+if TYPE_CHECKING:  # args imports this module
+    from jserve.engine.args import EngineArgs
 
 log = logging.getLogger("jserve")
 
@@ -33,17 +37,20 @@ SAMPLER_LOGITS_COPIES = 11
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What the engine runs with: EngineArgs resolved against the model and the device. Defaults and their
+    meaning live in EngineArgs; the scheduler and the runner read only this."""
+
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
     page_size: int
     num_pages: int
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    schedule_policy: str = "fcfs"  # "lpm": longest cached prefix first; "priority": (priority, arrival)
-    attention_backend: str = "auto"  # resolved (and checked) by jserve.attention.resolve_attention_backend
-    async_scheduling: bool = True  # prepare step N+1 while the device runs step N (identical outputs)
-    kv_cache_dtype: str = "float32"  # the pages' dtype: the model's, or bfloat16 for half the bytes
+    seed: int
+    enable_prefix_caching: bool
+    schedule_policy: str  # "fcfs", "lpm" or "priority"
+    attention_backend: str  # fitted to the device; "auto" left to jserve.attention.resolve_attention_backend
+    async_scheduling: bool
+    kv_cache_dtype: str  # the pages' dtype: the model's, or bfloat16 for half the bytes
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -112,44 +119,30 @@ def default_kv_cache_memory(limits: DeviceLimits, step_workspace: int) -> int:
 
 
 def resolve_engine_config(
-    model: ModelConfig,
-    dtype,
-    *,
-    max_model_len: int | None,
-    max_num_seqs: int | None,
-    max_num_batched_tokens: int | None,
-    page_size: int,
-    kv_cache_memory: int | None,
-    seed: int,
-    enable_prefix_caching: bool = True,
-    schedule_policy: str = "fcfs",
-    attention_backend: str = "auto",
-    tensor_parallel_size: int = 1,
-    async_scheduling: bool = True,
-    kv_cache_dtype: str = "auto",
-    limits: DeviceLimits | None = None,
+    args: EngineArgs, model: ModelConfig, dtype, limits: DeviceLimits | None = None
 ) -> EngineConfig:
-    """`model` is the config as built (KV heads replicated for tensor parallelism); kv_cache_memory is
-    per device, and each device holds 1/tensor_parallel_size of every page. `limits`: the device's (default:
-    read from the default device)."""
+    """`model` is the config as built (KV heads replicated for tensor parallelism), `dtype` the weights'.
+    kv_cache_memory is per device, and each device holds 1/tensor_parallel_size of every page. `limits`: the
+    device's (default: read from the default device)."""
     limits = limits or DeviceLimits.of_default_device()
     on_cpu = limits.platform == "cpu"
-    max_model_len = max_model_len or model.max_position_embeddings
+    page_size, kv_cache_memory = args.page_size, args.kv_cache_memory
+    max_model_len = args.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model.max_position_embeddings} positions")
-    max_num_seqs = max_num_seqs or (64 if on_cpu else 256)
-    max_num_batched_tokens = max_num_batched_tokens or (512 if on_cpu else 2048)
+    max_num_seqs = args.max_num_seqs or (64 if on_cpu else 256)
+    max_num_batched_tokens = args.max_num_batched_tokens or (512 if on_cpu else 2048)
     for name, value in (("page_size", page_size), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    kv_cache_dtype = jnp.dtype(dtype if kv_cache_dtype == "auto" else kv_cache_dtype).name
+    kv_cache_dtype = jnp.dtype(dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype).name
     attention_backend = fit_attention_backend(
-        attention_backend, limits.platform, head_dim=model.head_dim, page_size=page_size,
+        args.attention_backend, limits.platform, head_dim=model.head_dim, page_size=page_size,
         kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, num_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, smem_bytes=limits.smem_bytes,
     )  # fmt: skip
-    page_bytes = page_size * kv_cache_bytes_per_token(model, kv_cache_dtype) // tensor_parallel_size
+    page_bytes = page_size * kv_cache_bytes_per_token(model, kv_cache_dtype) // args.tensor_parallel_size
     largest_step = (max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
     workspace = step_workspace_bytes(model, page_size, *largest_step, max_num_seqs)
     memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory(limits, workspace)
@@ -168,8 +161,18 @@ def resolve_engine_config(
             f"KV cache of {memory / GiB:.2f} GiB{set_aside} holds {num_pages * page_size} tokens, fewer than "
             f"max_model_len {max_model_len}; raise kv_cache_memory or lower max_model_len"
         )
-    if schedule_policy not in SCHEDULE_POLICIES:
-        raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
-    return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, page_size, int(num_pages), seed,
-                        enable_prefix_caching, schedule_policy, attention_backend, async_scheduling,
-                        kv_cache_dtype)  # fmt: skip
+    if args.schedule_policy not in SCHEDULE_POLICIES:
+        raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {args.schedule_policy!r}")
+    return EngineConfig(
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        page_size=page_size,
+        num_pages=int(num_pages),
+        seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        schedule_policy=args.schedule_policy,
+        attention_backend=attention_backend,
+        async_scheduling=args.async_scheduling,
+        kv_cache_dtype=kv_cache_dtype,
+    )
