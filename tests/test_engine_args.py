@@ -1,7 +1,9 @@
-"""EngineArgs declares each setting once: the commands' flags are made from its fields, and `LLM` takes its
-fields as keywords, naming any other."""
+"""EngineArgs declares each setting once: the commands' flags are made from its fields, `LLM` takes its
+fields as keywords (naming any other), and docs/configuration.md's table lists every one."""
 
+import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +38,9 @@ def test_an_unknown_keyword_is_named_before_any_model_loads():
         LLM("no/such-model", max_num_seq=4)
     with pytest.raises(TypeError, match=r"no setting 'colour'$"):
         LLM(colour="blue")
+
+
+def test_the_configuration_docs_list_every_setting():
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    listed = set(re.findall(r"^\| `(\w+)`", docs, flags=re.M))
+    assert {f.name for f in fields(EngineArgs)} <= listed
