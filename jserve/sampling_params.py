@@ -9,6 +9,7 @@ a request could use to exhaust the server (stop strings, logit_bias entries) hav
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Mapping
@@ -118,11 +119,19 @@ def _real(name: str, value: object, low: float, high: float | None = None, low_o
           param: str | None = None) -> float:  # fmt: skip
     """`name` is what the message calls the value; `param` (default: `name`) the field it came in."""
     param = param or name
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
         raise RequestError(f"{name} must be a finite number, got {short_repr(value)}", param)
     if value < low or (low_open and value == low) or (high is not None and value > high):
         raise RequestError(f"{name} must be {_range(low, high, low_open)}, got {value}", param)
     return float(value)
+
+
+def _finite(value: numbers.Real) -> bool:
+    """Finite as a float: an integer past float's range (JSON can spell one out) is not."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _boolean(name: str, value: object) -> bool:
@@ -163,8 +172,10 @@ def _logit_bias(bias: object) -> dict[int, float]:
         raise RequestError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
     out = {}
     for key, value in bias.items():
-        # JSON object keys are strings: {"50256": -100} biases token 50256
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():  # JSON object keys are strings: {"50256": -100}
+            with contextlib.suppress(ValueError):  # more digits than int() reads: no token id, refused below
+                token = int(key)
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
             raise RequestError(f"logit_bias keys must be token ids >= 0, got {short_repr(key)}", "logit_bias")
         out[int(token)] = _real(f"logit_bias[{token}]", value, low=-100, high=100, param="logit_bias")
