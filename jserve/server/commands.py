@@ -1,7 +1,7 @@
 """What the event loop tells the engine thread: one frozen dataclass per command, applied between steps.
 
 Handlers put these on AsyncEngine's queue and never touch the engine; the engine thread takes them in
-order and dispatches on their type (`AsyncEngine._apply`).
+order and dispatches on their type (`AsyncEngine._take_commands`).
 """
 
 from __future__ import annotations
