@@ -11,6 +11,18 @@ class ModelLoadError(JServeError):
     """A model could not be found, read or assembled."""
 
 
+class RequestError(JServeError, ValueError):
+    """A request refused for one of its values; `param` names the field it came in (None: no single field).
+
+    A ValueError, so callers that catch those still do; the server reports `param` in its 400s, so the field
+    travels as data and nothing has to guess it from the message.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 _SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxlevel = 60, 60, 6, 6, 3
 

@@ -1,19 +1,21 @@
 """How one request wants its tokens chosen: SamplingParams, validated and normalised on construction.
 
-Field names and meanings follow vLLM's SamplingParams (and so the OpenAI API). Every bad value raises
-ValueError naming the field and the allowed range, so the server can hand the message to the client.
+Field names and meanings follow vLLM's SamplingParams (and so the OpenAI API). Every bad value raises a
+RequestError (a ValueError) whose message gives the allowed range and whose `param` is the field, so the
+server can hand both to the client.
 Checks that need the model's vocabulary are left to `validate_for_vocab`, which the engine calls. Sizes
 a request could use to exhaust the server (stop strings, logit_bias entries) have limits, below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from jserve.errors import short_repr
+from jserve.errors import RequestError, short_repr
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for per token (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # most logit_bias entries a request may carry (OpenAI's limit)
@@ -55,7 +57,7 @@ class SamplingParams:
         logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         min_tokens = _integer("min_tokens", self.min_tokens, low=0)
         if max_tokens is not None and min_tokens > max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
+            raise RequestError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
         values = {
             "n": _integer("n", self.n, low=1),
             "temperature": _real("temperature", self.temperature, low=0),
@@ -88,13 +90,14 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def validate_for_vocab(self, vocab_size: int) -> None:
-        """Raises ValueError if top_k exceeds the vocabulary or a stop_token_ids / logit_bias id is outside it."""
+        """Raises RequestError if top_k exceeds the vocabulary or a stop_token_ids / logit_bias id is outside it."""
         if self.top_k > vocab_size:
-            raise ValueError(f"top_k must be -1, 0 or at most the vocabulary size ({vocab_size}), got {self.top_k}")
+            raise RequestError(f"top_k must be -1, 0 or at most the vocabulary size ({vocab_size}), got {self.top_k}",
+                               "top_k")  # fmt: skip
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
             bad = [i for i in ids if i >= vocab_size]
             if bad:
-                raise ValueError(f"{name} token ids must be < vocab_size ({vocab_size}), got {bad[0]}")
+                raise RequestError(f"{name} token ids must be < vocab_size ({vocab_size}), got {bad[0]}", name)
 
 
 def _range(low: float | None, high: float | None, low_open: bool) -> str:
@@ -106,37 +109,49 @@ def _range(low: float | None, high: float | None, low_open: bool) -> str:
 def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
     # bool is an int subclass, but n=True is a caller's mistake, not a number
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {short_repr(value)}")
+        raise RequestError(f"{name} must be an integer, got {short_repr(value)}", name)
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be {_range(low, high, False)}, got {value}")
+        raise RequestError(f"{name} must be {_range(low, high, False)}, got {value}", name)
     return int(value)
 
 
-def _real(name: str, value: object, low: float, high: float | None = None, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {short_repr(value)}")
+def _real(name: str, value: object, low: float, high: float | None = None, low_open: bool = False,
+          param: str | None = None) -> float:  # fmt: skip
+    """`name` is what the message calls the value; `param` (default: `name`) the field it came in."""
+    param = param or name
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
+        raise RequestError(f"{name} must be a finite number, got {short_repr(value)}", param)
     if value < low or (low_open and value == low) or (high is not None and value > high):
-        raise ValueError(f"{name} must be {_range(low, high, low_open)}, got {value}")
+        raise RequestError(f"{name} must be {_range(low, high, low_open)}, got {value}", param)
     return float(value)
+
+
+def _finite(value: numbers.Real) -> bool:
+    """Finite as a float: an integer past float's range (JSON can spell one out) is not."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {short_repr(value)}")
+        raise RequestError(f"{name} must be a bool, got {short_repr(value)}", name)
     return value
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:
     strings = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise ValueError(f"stop must be a string or a list of strings, got {short_repr(stop)}")
+        raise RequestError(f"stop must be a string or a list of strings, got {short_repr(stop)}", "stop")
     if not all(strings):
-        raise ValueError("stop strings must be non-empty, got ''")
+        raise RequestError("stop strings must be non-empty, got ''", "stop")
     if len(strings) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(strings)}")
+        raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(strings)}", "stop")
     longest = max(map(len, strings), default=0)
     if longest > MAX_STOP_LENGTH:
-        raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest}")
+        raise RequestError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest}",
+                           "stop")  # fmt: skip
     return tuple(strings)
 
 
@@ -144,7 +159,7 @@ def _stop_token_ids(ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {short_repr(ids)}")
+        raise RequestError(f"stop_token_ids must be a list of token ids, got {short_repr(ids)}", "stop_token_ids")
     return tuple(_integer("stop_token_ids", i, low=0) for i in ids)
 
 
@@ -152,14 +167,16 @@ def _logit_bias(bias: object) -> dict[int, float]:
     if bias is None:
         return {}
     if not isinstance(bias, Mapping):
-        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {short_repr(bias)}")
+        raise RequestError(f"logit_bias must be a mapping of token id to bias, got {short_repr(bias)}", "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        raise RequestError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
     out = {}
     for key, value in bias.items():
-        # JSON object keys are strings: {"50256": -100} biases token 50256
-        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():  # JSON object keys are strings: {"50256": -100}
+            with contextlib.suppress(ValueError):  # more digits than int() reads: no token id, refused below
+                token = int(key)
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
-            raise ValueError(f"logit_bias keys must be token ids >= 0, got {short_repr(key)}")
-        out[int(token)] = _real(f"logit_bias[{token}]", value, low=-100, high=100)
+            raise RequestError(f"logit_bias keys must be token ids >= 0, got {short_repr(key)}", "logit_bias")
+        out[int(token)] = _real(f"logit_bias[{token}]", value, low=-100, high=100, param="logit_bias")
     return out

@@ -79,7 +79,7 @@ def test_greedy_completion_matches_transformers(server, client, tiny_llama_check
                                     extra_body={"ignore_eos": True})  # fmt: skip
     choice = out.choices[0]
     assert choice.finish_reason == "length"
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.engine.info.tokenizer
     assert choice.text == tokenizer.decode(expected)
     assert choice.logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in expected]
     assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 16
@@ -191,7 +191,7 @@ def test_echo_prepends_the_prompt(client):
 
 
 def test_tokenize_detokenize(server):
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.engine.info.tokenizer
     ids = tokenizer.encode("hello world")
     tokens = post(server, "/tokenize", json={"prompt": "hello world"}).json()
     assert tokens == {"count": len(ids), "max_model_len": 256, "tokens": ids}
@@ -284,7 +284,7 @@ def test_the_engine_keeps_serving_after_errors(server, client, tiny_llama_checkp
                                     extra_body={"ignore_eos": True})  # fmt: skip
     expected = reference_greedy(tiny_llama_checkpoint[1], [5, 6, 7], 3)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
-    assert out.choices[0].text == server.engine.tokenizer.decode(expected)
+    assert out.choices[0].text == server.engine.info.tokenizer.decode(expected)
 
 
 # --- cancellation --------------------------------------------------------------------------------

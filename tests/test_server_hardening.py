@@ -178,6 +178,8 @@ def test_non_ascii_in_an_error_message_is_returned_intact(server):
         ({"priority": 1}, "priority", "--schedule-policy priority"),
         ({"temperature": float("nan")}, "temperature", "finite"),
         ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "300"),
+        ({"temperature": 10**400}, "temperature", "finite"),  # an int past float's range
+        ({"logit_bias": {"9" * 5000: 1}}, "logit_bias", "token ids"),  # past int()'s 4300 digits
     ],
 )
 def test_limits_are_400_naming_the_field(server, body, param, text):

@@ -20,11 +20,12 @@ from starlette.routing import Route
 
 import jserve
 from jserve.engine.args import EngineArgs
-from jserve.errors import short_repr
-from jserve.server.async_engine import AsyncEngine, EngineError, EngineState, PromptInput, Submission
+from jserve.errors import RequestError, short_repr
+from jserve.server.async_engine import AsyncEngine, EngineError, EngineState, Submission
+from jserve.server.commands import PromptInput
 from jserve.server.errors import APIError, bad_request
 from jserve.server.metrics import ServerMetrics
-from jserve.server.protocol import GenerationRequest, param_of, parse_chat, parse_completion, parse_tokenize
+from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_tokenize
 from jserve.server.request_body import read_json_object
 from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
 
@@ -69,8 +70,8 @@ class OpenAIServer:
         name = self.settings.served_model_name
         root = str(self.engine.args.model or name)
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "jserve", "root": root}
-        if self.engine.engine is not None:
-            card["max_model_len"] = self.engine.engine.config.max_model_len
+        if self.engine.info is not None:
+            card["max_model_len"] = self.engine.info.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
@@ -91,23 +92,23 @@ class OpenAIServer:
             prompt = await run_in_threadpool(self._chat_prompt, body.messages, body.add_generation_prompt)
             tokens = prompt.token_ids
         else:
-            tokens = await run_in_threadpool(self.engine.tokenizer.encode, body.prompt, body.add_special_tokens)
-        return JSONResponse({"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens})
+            tokens = await run_in_threadpool(self.engine.info.tokenizer.encode, body.prompt, body.add_special_tokens)
+        return JSONResponse({"count": len(tokens), "max_model_len": self.engine.info.max_model_len, "tokens": tokens})
 
     async def detokenize(self, request: Request) -> Response:
         body = await self._read_json(request)
         self._check_model(body.get("model"))
         tokens = body.get("tokens")
-        vocab = self.engine.engine.model.config.vocab_size
+        vocab = self.engine.info.vocab_size
         if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
             raise bad_request(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": await run_in_threadpool(self.engine.tokenizer.decode, tokens)})
+        return JSONResponse({"prompt": await run_in_threadpool(self.engine.info.tokenizer.decode, tokens)})
 
     # --- generation ------------------------------------------------------------------------------
 
     async def _generate(self, request: Request, gen: GenerationRequest, prompts: list[PromptInput],
                         builder: ResponseBuilder) -> Response:  # fmt: skip
-        _check_fits(gen, prompts, self.engine.max_model_len)
+        _check_fits(gen, prompts, self.engine.info.max_model_len)
         sequences, limit = len(prompts) * gen.params.n, self.settings.max_queue
         if sequences > limit:
             raise bad_request(f"the request asks for {sequences} sequences (prompts × n), more than the queue's "
@@ -116,8 +117,8 @@ class OpenAIServer:
             raise APIError(429, f"the queue is full ({limit} sequences waiting); retry later")
         try:
             submission = await self.engine.submit(prompts, gen.params, gen.priority, gen.cache_salt)
-        except ValueError as err:
-            raise bad_request(str(err), param_of(str(err))) from None
+        except RequestError as err:
+            raise bad_request(str(err), err.param) from None
         if gen.stream:
             return StreamingResponse(self._stream(submission, builder, gen), media_type="text/event-stream")
         return await self._respond(request, submission, builder)
@@ -158,7 +159,7 @@ class OpenAIServer:
     # --- helpers ---------------------------------------------------------------------------------
 
     def _completion_prompts(self, gen: GenerationRequest) -> list[PromptInput]:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine.info.tokenizer
         prompts = []
         for prompt in gen.prompts:
             if isinstance(prompt, str):
@@ -168,7 +169,7 @@ class OpenAIServer:
         return prompts
 
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> PromptInput:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine.info.tokenizer
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except ValueError as err:
@@ -187,7 +188,7 @@ class OpenAIServer:
                            code="invalid_api_key")  # fmt: skip
 
     def _check_model(self, model: str | None) -> None:
-        self._check_ready()
+        self._check_ready()  # so handlers may read self.engine.info
         if model is not None and model != self.settings.served_model_name:
             raise APIError(404, f"the model {short_repr(model)} does not exist; this server serves "
                            f"'{self.settings.served_model_name}'", "model", "model_not_found")  # fmt: skip

@@ -1,8 +1,9 @@
 """AsyncEngine: the LLMEngine in one background thread, fed by asyncio handlers.
 
-Handlers never touch the engine: they put commands (add, abort, stop) on a thread-safe queue, and the
-engine thread hands outputs back to the event loop with `call_soon_threadsafe`, one batch per step.
-The thread also loads the model, so the server answers /health (503) while that happens.
+Handlers never touch the engine: they put commands (server/commands.py) on a thread-safe queue, read
+what they need of the model from `info`, and get outputs back from the engine thread through
+`call_soon_threadsafe`, one batch per step. The thread also loads the model, so the server answers
+/health (503) while that happens.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from dataclasses import dataclass
 
 from jserve.engine.args import EngineArgs
 from jserve.engine.engine import LLMEngine
-from jserve.errors import JServeError
+from jserve.errors import JServeError, RequestError
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
+from jserve.server.commands import AbortRequests, AddRequests, Command, PromptInput, Stop
 from jserve.server.metrics import ServerMetrics
+from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jserve")
 
@@ -40,10 +43,13 @@ class EngineError(RuntimeError):
     """The engine failed while running this request (not the request's fault)."""
 
 
-@dataclass
-class PromptInput:
-    token_ids: list[int]
-    text: str | None  # shown in outputs (echo); None for token-id prompts
+@dataclass(frozen=True)
+class EngineInfo:
+    """What handlers may know of the loaded model, captured once by the engine thread before it serves."""
+
+    tokenizer: Tokenizer  # the engine's own (with the server's chat template, if one was given)
+    vocab_size: int
+    max_model_len: int
 
 
 class Submission:
@@ -87,7 +93,7 @@ class Submission:
         self.engine.forget(self)
         if not self.closed:
             self.closed = True
-            self.engine.commands.put(("abort", self.request_ids))
+            self.engine.commands.put(AbortRequests(tuple(self.request_ids)))
 
     def _deliver(self, item: RequestOutput | BaseException) -> None:
         if isinstance(item, RequestOutput):
@@ -102,8 +108,9 @@ class AsyncEngine:
         self.chat_template = chat_template
         self.on_failure = on_failure
         self.state = EngineState.LOADING
-        self.engine: LLMEngine | None = None
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.info: EngineInfo | None = None  # set once the model has loaded, before the state turns READY
+        self.engine: LLMEngine | None = None  # touched by the engine thread only (tests inspect it)
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.submissions: set[Submission] = set()  # event-loop side: open submissions
         self._routes: dict[str, Submission] = {}  # engine-thread side: request id -> its submission
         self._ids = itertools.count()
@@ -115,27 +122,19 @@ class AsyncEngine:
         self._thread.start()
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
-
-    @property
     def num_queued(self) -> int:
         """Sequences (prompts × n) accepted but not yet producing output."""
         return sum(len(s.unstarted) * s.n for s in self.submissions)
 
     async def submit(self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0,
                      cache_salt: str | None = None) -> Submission:  # fmt: skip
-        """Queue one engine request per prompt; raises ValueError (the engine's validation) if any is bad,
-        in which case none is queued."""
+        """Queue one engine request per prompt; raises RequestError (the engine's validation, naming the
+        field) if any is bad, in which case none is queued."""
         prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         submission = Submission(self, [f"{prefix}-{i}" for i in range(len(prompts))], params.n)
         accepted = submission.loop.create_future()
         self.submissions.add(submission)
-        self.commands.put(("add", submission, prompts, params, priority, cache_salt, accepted))
+        self.commands.put(AddRequests(submission, prompts, params, priority, cache_salt, accepted))
         try:
             await accepted
         except BaseException:  # refused, or the client left while it was being queued
@@ -153,7 +152,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         """Abort what is still running and stop the engine thread."""
-        self.commands.put(("stop",))
+        self.commands.put(Stop())
         self._thread.join(timeout=60)
         if self.state is not EngineState.FAILED:
             self.state = EngineState.STOPPED
@@ -165,6 +164,8 @@ class AsyncEngine:
             self.engine = self.args.create_engine()
             if self.chat_template is not None:
                 self.engine.tokenizer.chat_template = self.chat_template
+            self.info = EngineInfo(self.engine.tokenizer, self.engine.model.config.vocab_size,
+                                   self.engine.config.max_model_len)  # fmt: skip
         except (JServeError, ValueError) as err:  # a bad model or setting: say what, without a traceback
             log.error("The model failed to load: %s", err)
             self._fail_load()
@@ -204,29 +205,31 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             block = False
-            if command[0] == "stop":
-                return False
-            if command[0] == "abort":
-                for request_id in command[1]:
-                    self.engine.abort_request(request_id)
-                    self._routes.pop(request_id, None)
-            else:
-                self._add(*command[1:])
+            match command:
+                case AddRequests():
+                    self._add(command)
+                case AbortRequests(request_ids):
+                    for request_id in request_ids:
+                        self.engine.abort_request(request_id)
+                        self._routes.pop(request_id, None)
+                case Stop():
+                    return False
 
-    def _add(self, submission: Submission, prompts: list[PromptInput], params, priority, salt, accepted) -> None:
-        added: list[str] = []
+    def _add(self, command: AddRequests) -> None:
+        submission, added = command.submission, []
         try:
-            for request_id, prompt in zip(submission.request_ids, prompts, strict=True):
-                self.engine.add_request(prompt.token_ids, params, request_id, priority, prompt.text, salt)
+            for request_id, prompt in zip(submission.request_ids, command.prompts, strict=True):
+                self.engine.add_request(prompt.token_ids, command.params, request_id, command.priority, prompt.text,
+                                        command.cache_salt)  # fmt: skip
                 added.append(request_id)
         except Exception as err:  # bad input: withdraw this call's requests, touch nothing else
             for request_id in added:
                 self.engine.abort_request(request_id)
-            submission.loop.call_soon_threadsafe(_settle, accepted, err)
+            submission.loop.call_soon_threadsafe(_settle, command.accepted, _with_field(err))
             return
         for request_id in added:
             self._routes[request_id] = submission
-        submission.loop.call_soon_threadsafe(_settle, accepted, None)
+        submission.loop.call_soon_threadsafe(_settle, command.accepted, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -247,6 +250,21 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             submission.loop.call_soon_threadsafe(submission._deliver, err)
         self._routes.clear()
+
+
+# engine.py's add_request raises plain ValueErrors whose first word is the field they refuse ("prompt has
+# 300 tokens, ...", "n must be at most max_num_seqs ...", and from the sampler "logit_bias and
+# stop_token_ids together ..."). Until it raises RequestError, this is the one place that reads the field
+# from the message; a word not listed here names no field.
+ENGINE_ERROR_FIELDS = {"prompt": "prompt", "prompt_token_ids": "prompt", "n": "n", "priority": "priority",
+                       "logit_bias": "logit_bias"}  # fmt: skip
+
+
+def _with_field(err: Exception) -> Exception:
+    """The engine's refusal as a RequestError naming its field; RequestErrors and failures pass as they are."""
+    if isinstance(err, RequestError) or not isinstance(err, ValueError):
+        return err
+    return RequestError(str(err), ENGINE_ERROR_FIELDS.get(str(err).split(" ", 1)[0]))
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

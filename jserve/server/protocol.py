@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.errors import short_repr
+from jserve.errors import RequestError, short_repr
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jserve.server.errors import bad_request
 
@@ -109,13 +109,6 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     return request
 
 
-def param_of(message: str) -> str | None:
-    """The request field a validation message names: its first word ("top_k must be ...", "logit_bias[5] ...")."""
-    word = message.split(" ", 1)[0].split("[", 1)[0]
-    word = "prompt" if word == "prompt_token_ids" else word
-    return word if word in COMPLETION_FIELDS | CHAT_FIELDS else None
-
-
 def _given(body: object, allowed: set[str]) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -132,8 +125,8 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     sampling = {name: body[name] for name in SAMPLING_FIELDS if name in body}
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **sampling)
-    except (TypeError, ValueError) as err:
-        raise bad_request(str(err), param_of(str(err))) from None
+    except RequestError as err:
+        raise bad_request(str(err), err.param) from None
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     include_usage = False
