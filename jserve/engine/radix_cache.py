@@ -79,6 +79,20 @@ class RadixCache:
             node = child
         return PrefixMatch(node, np.concatenate(pages) if pages else np.zeros(0, np.int32))
 
+    def peek_prefix(self, tokens: np.ndarray, salt: str | None = None) -> int:
+        """How many pages match_prefix(tokens, salt) would match, found without touching the tree: no edge
+        split, no access stamp, no root made for a new salt. For ranking many requests (ordering a queue),
+        where a look must not make the prefixes looked at recently used."""
+        node, pos = self.roots.get(salt), 0
+        while node is not None and pos + self.page_size <= len(tokens):
+            child = node.children.get(self._key(tokens, pos))
+            if child is None:
+                break
+            n = self._common_pages(child.tokens, tokens[pos:])
+            pos += n * self.page_size
+            node = child if n == len(child.pages) else None  # a match ending inside an edge ends there
+        return pos // self.page_size
+
     def insert(self, tokens: np.ndarray, pages: np.ndarray, salt: str | None = None) -> Node:
         """Cache `pages` as holding the K/V of `tokens` (whole pages: len(tokens) == len(pages) * page_size).
         Parts already cached keep the tree's pages (the caller's copies stay the caller's); new parts are
