@@ -210,7 +210,8 @@ class LLMEngine:
 
     def _launch(self, sequences: list[ScheduledSequence], changed: set[str]) -> LaunchedStep | None:
         """Dispatch the step, then advance each request as if it had run: the device runs steps in launch
-        order, so the next step may already read these K/V pages and (by row) these samples."""
+        order, so the next step may already read these K/V pages and (by row) these samples. The request's
+        owners record it: KVManager its computed tokens, OutputProcessor its pending samples."""
         before = compile_count()
         sequences, out = self._dispatch(sequences, changed)
         if out is None:
@@ -224,13 +225,11 @@ class LLMEngine:
             log.warning(message)
         for row, (seq, sampled) in enumerate(zip(sequences, samples, strict=True)):
             request = seq.request
-            request.num_computed_tokens += seq.num_tokens
             if seq.start < request.num_prompt_tokens:
                 self.stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
-                self.scheduler.cache_computed(request)
+            self.scheduler.kv.advance(request, seq.num_tokens)
             if sampled:
-                request.num_pending += 1
-                request.pending_row = row
+                self.outputs.launched(request, row)
         return LaunchedStep(sequences, samples, out)
 
     def _dispatch(self, sequences: list[ScheduledSequence], changed: set[str]) -> tuple[list, SamplerOutput | None]:
