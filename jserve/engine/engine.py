@@ -28,6 +28,10 @@ log = logging.getLogger("jserve")
 
 # Tests set this so any compilation after warm-up fails loudly instead of silently costing seconds.
 FORBID_RECOMPILE_ENV = "JSERVE_FORBID_RECOMPILE"
+# Tests set this so each step that leaves the engine idle checks that every slot and KV page came back and
+# that the prefix cache keeps its invariants. That walks the whole cache tree, about 2.5 us a node: up to
+# ~165 ms on a full cache of 65,536 pages, too slow to pay at every idle moment of a server.
+CHECK_CACHE_ENV = "JSERVE_CHECK_CACHE"
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.forbid_recompile = os.environ.get(FORBID_RECOMPILE_ENV) == "1"
+        self.check_cache = os.environ.get(CHECK_CACHE_ENV) == "1"
         self.timeline = DeviceTimeline(self.stats)
         self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
         self._busy = False  # requests were unfinished after the last step: the next one is back to back
@@ -206,6 +211,8 @@ class LLMEngine:
                     self.outputs.forget(child)
         self._busy = self.has_unfinished_requests()
         self.stats.host_s += time.perf_counter() - start - waited
+        if self.check_cache and not self._busy:
+            self.scheduler.check_idle()
         return results
 
     def _launch(self, sequences: list[ScheduledSequence], changed: set[str]) -> LaunchedStep | None:
