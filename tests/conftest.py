@@ -23,6 +23,8 @@ def smollm2(smollm2_gguf_path):
 
 # Any XLA compilation during an engine step after warm-up is a bug: make it an error in every test.
 os.environ["JSERVE_FORBID_RECOMPILE"] = "1"
+# Whenever an engine goes idle, check that every slot and KV page came back and the prefix cache is sound.
+os.environ["JSERVE_CHECK_CACHE"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -146,7 +146,7 @@ def test_kv_usage_counts_only_pages_requests_hold(llm):
     scheduler = llm.engine.scheduler
     llm.generate([prompt(seed, 40) for seed in range(4)], GREEDY, use_tqdm=False)
     assert scheduler.num_used_pages == 0  # idle: nothing is held by a request
-    assert scheduler.num_reclaimable_pages == scheduler.cache.num_pages > 0  # the prompts stay cached
+    assert scheduler.num_reclaimable_pages == scheduler.kv.cache.num_pages > 0  # the prompts stay cached
     engine = llm.engine
     engine.add_request(prompt(0, 40), GREEDY, request_id="holder")
     engine.step()

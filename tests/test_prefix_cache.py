@@ -107,6 +107,14 @@ def test_sampling_with_and_without_penalties_matches(plain, cached):
         assert token_ids(cached.generate(batch, params, use_tqdm=False)) == expected
 
 
+def test_the_engine_checks_its_pages_and_cache_whenever_it_goes_idle(cached):
+    pool = cached.engine.scheduler.kv.pool
+    leaked = pool.allocate(1)  # a page held by no request and not cached
+    with pytest.raises(AssertionError, match="reference counts differ from holders"):
+        cached.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    pool.release(leaked)
+
+
 def test_cache_salt_isolates_tenants(cached):
     prompt = prompts(1, seed=10, low=50, high=51)[0]
     engine = cached.engine

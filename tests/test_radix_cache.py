@@ -24,6 +24,16 @@ def compute(cache: RadixCache, tokens: list[int], salt=None) -> np.ndarray:
     return pages
 
 
+def dump(cache: RadixCache) -> tuple:
+    """Everything the tree holds, node by node (edge, pages, lock count, access stamp), and its counters."""
+
+    def node(n):
+        children = tuple((key, node(child)) for key, child in n.children.items())
+        return n.tokens.tobytes(), n.pages.tobytes(), n.lock_ref, n.last_access, children
+
+    return tuple((salt, node(root)) for salt, root in cache.roots.items()), cache.num_pages, cache.evictable_pages
+
+
 def test_match_returns_the_longest_whole_page_prefix():
     cache = make_cache()
     pages = compute(cache, [1, 2, 3, 4, 5, 6])
@@ -41,6 +51,20 @@ def test_a_match_inside_an_edge_splits_it():
     assert match.num_pages == 2 and len(match.node.children) == 1
     compute(cache, [1, 2, 3, 4, 7, 7])  # a branch off the split point
     assert len(match.node.children) == 2
+    cache.check_integrity([])
+
+
+def test_peek_counts_what_match_would_and_leaves_the_tree_untouched():
+    cache = make_cache()
+    compute(cache, [1, 2, 3, 4, 5, 6])
+    compute(cache, [1, 2, 7, 7])
+    queries = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 9], [1, 2, 3], [1, 2, 7, 7], [2, 1], [1], []]
+    before = dump(cache)
+    peeked = [cache.peek_prefix(np.array(q, np.int32)) for q in queries]
+    assert cache.peek_prefix(np.array([1, 2], np.int32), salt="unseen") == 0
+    assert dump(cache) == before
+    assert peeked == [cache.match_prefix(np.array(q, np.int32)).num_pages for q in queries] == [3, 2, 1, 2, 0, 0, 0]
+    assert dump(cache) != before  # the same lookups by match_prefix split [1, 2, 3, 4, 5, 6] and stamped times
     cache.check_integrity([])
 
 
@@ -147,6 +171,9 @@ def test_random_operations_keep_every_invariant_and_agree_with_a_naive_cache(ops
             naive.insert(tokens, pages, salt)
         elif op[0] == "use":
             _, tokens, salt = op
+            before = dump(cache)
+            assert cache.peek_prefix(np.array(tokens, np.int32), salt) == len(naive.match(tokens, salt))
+            assert dump(cache) == before
             match = cache.match_prefix(np.array(tokens, np.int32), salt)
             assert match.pages.tolist() == naive.match(tokens, salt)
             cache.lock(match.node)

@@ -8,6 +8,8 @@ from jserve.engine.request import Request, RequestStatus
 from jserve.engine.scheduler import Scheduler
 from jserve.engine.stats import EngineStats
 
+from test_radix_cache import dump
+
 
 def make_scheduler(budget=64, seqs=8, pages=64, page_size=4, caching=False, policy="fcfs") -> Scheduler:
     config = EngineConfig(max_model_len=256, max_num_seqs=seqs, max_num_batched_tokens=budget, page_size=page_size,
@@ -25,7 +27,7 @@ def run_step(scheduler: Scheduler, new_token: int = 7) -> list[tuple[str, int, i
     """Schedule one step and apply it as the engine would; returns (id, start, num_tokens) per sequence."""
     out = scheduler.schedule()
     for seq in out.sequences:
-        seq.request.num_computed_tokens += seq.num_tokens
+        scheduler.kv.advance(seq.request, seq.num_tokens)
         if seq.samples:
             seq.request.append_token(new_token)
     return [(s.request.request_id, s.start, s.num_tokens) for s in out.sequences]
@@ -114,7 +116,7 @@ def test_finish_returns_pages_and_slots():
     for r in requests:
         scheduler.finish(r, "abort")
     assert scheduler.pool.num_free == scheduler.pool.num_pages
-    assert sorted(scheduler.free_slots) == list(range(8))
+    assert sorted(scheduler.slots.free) == list(range(8))
     assert not scheduler.running and np.all(scheduler.pool.ref_counts == 0)
 
 
@@ -127,24 +129,23 @@ def finish_all(scheduler: Scheduler) -> None:
 
 
 def check(scheduler: Scheduler) -> None:
-    scheduler.cache.check_integrity([r.pages for r in scheduler.running])
+    scheduler.kv.cache.check_integrity([r.pages for r in scheduler.running])
 
 
 def test_a_cached_prefix_is_skipped_and_its_path_locked():
     scheduler = make_scheduler(caching=True)
     scheduler.add(make_request(10, 0))
     run_step(scheduler)  # 10 prompt tokens: two whole pages enter the cache
-    scheduler.cache_computed(scheduler.running[0])
     check(scheduler)
-    assert scheduler.cache.num_pages == 2
+    assert scheduler.kv.cache.num_pages == 2
     scheduler.add(make_request(10, 1))  # the same prompt
     assert run_step(scheduler)[-1] == ("1", 8, 2)
     later = scheduler.running[-1]
-    assert later.num_cached_tokens == 8 and scheduler.cache.evictable_pages == 0
+    assert later.num_cached_tokens == 8 and scheduler.kv.cache.evictable_pages == 0
     check(scheduler)
     finish_all(scheduler)
     check(scheduler)
-    assert scheduler.cache.evictable_pages == scheduler.cache.num_pages
+    assert scheduler.kv.cache.evictable_pages == scheduler.kv.cache.num_pages
 
 
 def test_cached_pages_are_evicted_before_anyone_is_preempted():
@@ -152,12 +153,12 @@ def test_cached_pages_are_evicted_before_anyone_is_preempted():
     scheduler.add(make_request(16, 0))
     run_step(scheduler)
     finish_all(scheduler)
-    assert scheduler.cache.num_pages == 4 and scheduler.pool.num_free == 2
+    assert scheduler.kv.cache.num_pages == 4 and scheduler.pool.num_free == 2
     scheduler.add(Request("other", list(range(50, 66)), SamplingParams(), seed=0, arrival_index=1,
                           max_model_len=256))  # fmt: skip
     out = scheduler.schedule()  # needs 4 pages: 2 free + 2 evicted
     assert not out.preempted and out.sequences[0].num_tokens == 16
-    assert scheduler.cache.num_pages == 2
+    assert scheduler.kv.cache.num_pages == 2
     check(scheduler)
 
 
@@ -170,6 +171,30 @@ def test_lpm_admits_the_longest_cached_prefix_first():
                           max_model_len=256))  # fmt: skip
     scheduler.add(make_request(12, 2))  # arrives later, but shares two cached pages
     assert run_step(scheduler)[0][0] == "2"
+
+
+def test_lpm_ordering_leaves_the_cache_untouched_and_admission_still_hits():
+    scheduler = make_scheduler(caching=True, seqs=1, policy="lpm")
+    cache = scheduler.kv.cache
+    scheduler.add(make_request(12, 0))  # tokens 1..12: one 3-page edge enters the cache
+    run_step(scheduler)
+    finish_all(scheduler)
+    scheduler.add(Request("busy", list(range(40, 56)), SamplingParams(), seed=0, arrival_index=1, max_model_len=256))
+    run_step(scheduler)  # "busy" takes the only slot
+    waiting = [make_request(10, 2),  # tokens 1..10: its match ends inside the 3-page edge
+               Request("cold", list(range(90, 102)), SamplingParams(), seed=0, arrival_index=3, max_model_len=256),
+               Request("salted", list(range(1, 11)), SamplingParams(), seed=0, arrival_index=4, max_model_len=256,
+                       cache_salt="tenant")]  # fmt: skip
+    for request in waiting:
+        scheduler.add(request)
+    before = dump(cache)
+    assert run_step(scheduler) == [("busy", 16, 1)]  # the queue is ranked, but no slot is free
+    assert dump(cache) == before  # no edge split, no access stamped, no root made for "tenant"
+    finish_all(scheduler)
+    hits = scheduler.stats.prefix_cache_hits
+    assert run_step(scheduler) == [("2", 8, 2)]  # the longest cached prefix first, its two pages reused
+    assert waiting[0].num_cached_tokens == 8 and scheduler.stats.prefix_cache_hits == hits + 8
+    check(scheduler)
 
 
 def test_penalised_requests_compute_their_whole_history():

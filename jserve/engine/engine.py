@@ -28,6 +28,10 @@ log = logging.getLogger("jserve")
 
 # Tests set this so any compilation after warm-up fails loudly instead of silently costing seconds.
 FORBID_RECOMPILE_ENV = "JSERVE_FORBID_RECOMPILE"
+# Tests set this so each step that leaves the engine idle checks that every slot and KV page came back and
+# that the prefix cache keeps its invariants. That walks the whole cache tree, about 2.5 us a node: up to
+# ~165 ms on a full cache of 65,536 pages, too slow to pay at every idle moment of a server.
+CHECK_CACHE_ENV = "JSERVE_CHECK_CACHE"
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self.forbid_recompile = os.environ.get(FORBID_RECOMPILE_ENV) == "1"
+        self.check_cache = os.environ.get(CHECK_CACHE_ENV) == "1"
         self.timeline = DeviceTimeline(self.stats)
         self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
         self._busy = False  # requests were unfinished after the last step: the next one is back to back
@@ -206,11 +211,14 @@ class LLMEngine:
                     self.outputs.forget(child)
         self._busy = self.has_unfinished_requests()
         self.stats.host_s += time.perf_counter() - start - waited
+        if self.check_cache and not self._busy:
+            self.scheduler.check_idle()
         return results
 
     def _launch(self, sequences: list[ScheduledSequence], changed: set[str]) -> LaunchedStep | None:
         """Dispatch the step, then advance each request as if it had run: the device runs steps in launch
-        order, so the next step may already read these K/V pages and (by row) these samples."""
+        order, so the next step may already read these K/V pages and (by row) these samples. The request's
+        owners record it: KVManager its computed tokens, OutputProcessor its pending samples."""
         before = compile_count()
         sequences, out = self._dispatch(sequences, changed)
         if out is None:
@@ -224,13 +232,11 @@ class LLMEngine:
             log.warning(message)
         for row, (seq, sampled) in enumerate(zip(sequences, samples, strict=True)):
             request = seq.request
-            request.num_computed_tokens += seq.num_tokens
             if seq.start < request.num_prompt_tokens:
                 self.stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
-                self.scheduler.cache_computed(request)
+            self.scheduler.kv.advance(request, seq.num_tokens)
             if sampled:
-                request.num_pending += 1
-                request.pending_row = row
+                self.outputs.launched(request, row)
         return LaunchedStep(sequences, samples, out)
 
     def _dispatch(self, sequences: list[ScheduledSequence], changed: set[str]) -> tuple[list, SamplerOutput | None]:

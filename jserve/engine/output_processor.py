@@ -1,4 +1,8 @@
-"""After each step: append sampled tokens, detokenize incrementally, and decide which requests stop and why."""
+"""After each step: append sampled tokens, detokenize incrementally, and decide which requests stop and why.
+
+Contract: the OutputProcessor is the only writer of a request's sampled tokens, from launch to fetch
+(num_pending, pending_row, then token_buffer and num_tokens) and their logprobs.
+"""
 
 from __future__ import annotations
 
@@ -39,10 +43,17 @@ class OutputProcessor:
     def forget(self, request: Request) -> None:
         self.texts.pop(request.request_id, None)
 
+    def launched(self, request: Request, row: int) -> None:
+        """A launched step samples the request's next token into `row` of its samples: pending until fetched."""
+        request.num_pending += 1
+        request.pending_row = row
+
     def append(self, request: Request, samples: SamplerOutput, row: int) -> tuple[str, int | str | None] | None:
-        """Add row's token to the request; returns (finish_reason, stop_reason) if it ends the request."""
+        """Add row's token (the oldest pending one) to the request; returns (finish_reason, stop_reason) if it
+        ends the request."""
         token = int(samples.token_ids[row])
-        request.resolve_pending(token)
+        request.num_pending -= 1
+        request.append_token(token)
         request.cumulative_logprob += float(samples.logprobs[row])
         if request.params.logprobs is not None:
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))

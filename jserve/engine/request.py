@@ -21,6 +21,16 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    """One sequence to complete. Past its identity (set at construction, never written after), each field
+    has one writer, named first in its comment (or in the comment above it); everyone else only reads it:
+      Scheduler (scheduler.py): where the request is in its life, and when;
+      SequenceSlots (slots.py): its slot;
+      KVManager (kv_manager.py): its KV pages, cache lock and computed tokens;
+      OutputProcessor (output_processor.py): its sampled tokens, from launch (pending) to fetch (appended);
+      LLMEngine (engine.py): when its first sample was fetched.
+    """
+
+    # Identity and options: set at construction (LLMEngine.add_request), never written after.
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -32,31 +42,39 @@ class Request:
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached pages only within one
+    arrival_time: float = field(default_factory=time.monotonic)
 
-    status: RequestStatus = RequestStatus.WAITING
-    # All tokens (prompt then output) in a buffer sized for the longest sequence, so slicing is cheap.
+    status: RequestStatus = RequestStatus.WAITING  # Scheduler
+    admit_index: int = -1  # Scheduler: order of admission to RUNNING; the latest admitted is preempted first
+    num_preemptions: int = 0  # Scheduler
+    num_cached_tokens: int = 0  # Scheduler: prompt tokens found in the prefix cache at first admission
+    first_scheduled_time: float | None = None  # Scheduler
+    finish_reason: str | None = None  # Scheduler
+    stop_reason: int | str | None = None  # Scheduler
+    finish_time: float | None = None  # Scheduler
+
+    slot: int = -1  # SequenceSlots: the engine row (page table, penalty state) while running
+
+    # KVManager: the pages holding its K/V while it runs, covering at least its computed tokens.
+    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+    # KVManager: the locked cache node its pages reach (with prefix caching, while running).
+    cache_node: Node | None = field(default=None, repr=False)
+    # KVManager, on the engine's word (KVManager.advance at launch): tokens whose K/V are in its pages, or
+    # being written by a launched step.
+    num_computed_tokens: int = 0
+
+    # OutputProcessor: all tokens (prompt then output) in a buffer sized for the longest sequence, so
+    # slicing is cheap; the prompt is written at construction.
     token_buffer: np.ndarray = field(init=False, repr=False)
-    num_tokens: int = field(init=False)  # tokens whose ids the host knows
-    # Async scheduling: tokens sampled by launched steps whose ids the host has not fetched yet (0-2), and
-    # the row of the latest launched step's samples that holds the newest of them.
+    num_tokens: int = field(init=False)  # OutputProcessor: tokens whose ids the host knows
+    # OutputProcessor, on the engine's word (OutputProcessor.launched) for async scheduling: tokens sampled
+    # by launched steps whose ids the host has not fetched yet (0-2), and the row of the latest launched
+    # step's samples that holds the newest of them.
     num_pending: int = 0
     pending_row: int = -1
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (or written by a launched step)
-    pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
-    slot: int = -1  # the engine row (page table, penalty state) while running
-    admit_index: int = -1  # order of admission to RUNNING; the latest admitted is preempted first
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    cache_node: Node | None = field(default=None, repr=False)  # the locked cache node its pages reach
-
-    cumulative_logprob: float = 0.0
-    logprobs: list = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
+    cumulative_logprob: float = 0.0  # OutputProcessor
+    logprobs: list = field(default_factory=list)  # OutputProcessor
+    first_token_time: float | None = None  # LLMEngine, as it fetches the step that sampled it
 
     def __post_init__(self):
         self.token_buffer = np.zeros(self.max_model_len, np.int32)
@@ -95,8 +113,3 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.token_buffer[self.num_tokens] = token_id
         self.num_tokens += 1
-
-    def resolve_pending(self, token_id: int) -> None:
-        """The oldest pending token's id has arrived from the device."""
-        self.num_pending -= 1
-        self.append_token(token_id)

@@ -1,4 +1,6 @@
-"""Each step, spend a token budget over running requests (decodes, unfinished prefills) and new admissions.
+"""Scheduler: admission and preemption policy, and each step's plan: which requests compute which tokens.
+
+Each step spends a token budget over running requests (decodes, unfinished prefills) and new admissions.
 
 Running requests go first, oldest first, each getting its next token (decode) or its next prefill chunk;
 waiting requests are then admitted in (priority, arrival) order while budget, sequence slots and KV pages
@@ -10,6 +12,10 @@ With prefix caching, an admitted request starts from the longest cached run of w
 (never its last token, whose logits it needs), locks that path, and computes only the rest. Completed
 prompt pages enter the cache after every chunk; at finish or preemption all computed pages do. Pages run
 short -> the cache evicts unlocked least-recently-used pages first, and only then is a request preempted.
+
+Contract: the Scheduler owns the waiting and running queues and is the only writer of a request's status,
+admission order, preemption count, cache-hit count and schedule/finish times. It changes slots only through
+SequenceSlots (slots.py) and pages only through KVManager (kv_manager.py).
 """
 
 from __future__ import annotations
@@ -24,9 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from jserve.engine.config import MIN_TOKEN_BUCKET, EngineConfig
+from jserve.engine.kv_manager import KVManager
 from jserve.engine.page_pool import PagePool
-from jserve.engine.radix_cache import PrefixMatch, RadixCache
+from jserve.engine.radix_cache import PrefixMatch
 from jserve.engine.request import Request, RequestStatus
+from jserve.engine.slots import SequenceSlots
 from jserve.engine.stats import EngineStats
 
 log = logging.getLogger("jserve")
@@ -62,26 +70,29 @@ LPM_MAX_QUEUE = 128  # beyond this many waiting requests, lpm ordering costs mor
 class Scheduler:
     def __init__(self, config: EngineConfig, stats: EngineStats):
         self.config, self.stats = config, stats
-        self.pool = PagePool(config.num_pages)
-        self.cache = RadixCache(self.pool, config.page_size) if config.enable_prefix_caching else None
+        self.slots = SequenceSlots(config.max_num_seqs)
+        self.kv = KVManager(config)
         self.waiting: list[Request] = []  # sorted by (priority, arrival, completion index)
         self.running: list[Request] = []  # sorted by (priority, admit order): the last is preempted first
-        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._admissions = itertools.count()
 
     @property
     def num_unfinished(self) -> int:
         return len(self.running) + sum(not r.is_finished for r in self.waiting)
 
+    # KV usage, as the engine's log line and the server's metrics read it.
+
+    @property
+    def pool(self) -> PagePool:
+        return self.kv.pool
+
     @property
     def num_reclaimable_pages(self) -> int:
-        """Pages only the prefix cache holds: cached prefixes no request is using, evicted when pages run short."""
-        return self.cache.evictable_pages if self.cache is not None else 0
+        return self.kv.num_reclaimable_pages
 
     @property
     def num_used_pages(self) -> int:
-        """Pages requests hold (their own, and cached ones they share): what the KV usage metric counts."""
-        return self.pool.num_pages - self.pool.num_free - self.num_reclaimable_pages
+        return self.kv.num_used_pages
 
     def add(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_queue_order)
@@ -97,7 +108,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(request.seq_len - request.num_computed_tokens, budget)
-            while not self._reserve_pages(request, request.num_computed_tokens + n):
+            while not self.kv.reserve(request, request.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -118,24 +129,18 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if not r.is_finished]  # drop requests aborted while waiting
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for request in self._admission_order():
-            if budget <= 0 or not self.free_slots:
+            if budget <= 0 or not self.slots.num_free:
                 break
-            match = self._match(request)
+            match = self.kv.match(request)
             if self._follows(request, match, prefilling):
                 continue  # a request now prefilling computes this prefix; take it from the cache after
-            if match is not None:
-                self.cache.lock(match.node)
-            start = match.node.end if match is not None else request.num_computed_tokens
+            start = match.node.end if match is not None else 0  # a waiting request holds no K/V
             n = min(request.seq_len - start, budget)
-            matched = match.num_pages if match is not None else 0
-            if not self._can_allocate(-(-(start + n) // self.config.page_size) - matched):
-                if match is not None:
-                    self.cache.unlock(match.node)
+            if not self.kv.admit(request, match, start + n):
                 break
             self.waiting.remove(request)
-            self._admit(request, match)
-            self._reserve_pages(request, request.num_computed_tokens + n)
-            scheduled.append(ScheduledSequence(request, request.num_computed_tokens, n, first=True))
+            self._admit(request, cached=match is not None)
+            scheduled.append(ScheduledSequence(request, start, n, first=True))
             prefilling.append(request)
             budget -= n
 
@@ -156,18 +161,13 @@ class Scheduler:
         return [*scheduled[:-1], dataclasses.replace(last, num_tokens=keep)]
 
     def _admission_order(self) -> list[Request]:
-        """FCFS within priority; under lpm (and a short queue), the longest cached prefix first."""
-        if self.config.schedule_policy != "lpm" or self.cache is None or len(self.waiting) > LPM_MAX_QUEUE:
+        """FCFS within priority; under lpm (and a short queue), the longest cached prefix first. The lookups
+        here only peek: a request looked at but not admitted leaves the cache as it was."""
+        lpm = self.config.schedule_policy == "lpm" and self.config.enable_prefix_caching
+        if not lpm or len(self.waiting) > LPM_MAX_QUEUE:
             return list(self.waiting)
-        matched = {id(r): (m.num_pages if (m := self._match(r)) is not None else 0) for r in self.waiting}
+        matched = {id(r): self.kv.peek(r) for r in self.waiting}
         return sorted(self.waiting, key=lambda r: (r.priority, -matched[id(r)], *_queue_order(r)[1:]))
-
-    def _match(self, request: Request) -> PrefixMatch | None:
-        """The cached prefix a request may start from, or None when it cannot use the cache: caching is
-        off, or the request's penalties need every token of its history to pass through a step."""
-        if self.cache is None or request.params.uses_penalties:
-            return None
-        return self.cache.match_prefix(request.token_buffer[: request.num_tokens - 1], request.cache_salt)
 
     def _follows(self, request: Request, match: PrefixMatch | None, prefilling: list[Request]) -> bool:
         """Whether a request now prefilling shares whole pages with `request` beyond its cached match (as
@@ -187,47 +187,24 @@ class Scheduler:
                 return True
         return False
 
-    def cache_computed(self, request: Request) -> None:
-        """After a prefill chunk: put the request's completed prompt pages in the cache."""
-        if self.cache is not None and request.cache_node is not None:
-            self._cache_pages(request, min(request.num_computed_tokens, request.num_prompt_tokens))
-
-    def _cache_pages(self, request: Request, num_tokens: int) -> None:
-        """Insert the request's whole pages up to `num_tokens` and move its lock to where they end."""
-        full = num_tokens // self.config.page_size
-        if full * self.config.page_size <= request.cache_node.end:
-            return
-        tokens = request.token_buffer[: full * self.config.page_size]
-        node = self.cache.insert(tokens, request.pages[:full], request.cache_salt)
-        self.cache.lock(node)
-        self.cache.unlock(request.cache_node)
-        request.cache_node = node
-
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is; its pages and slot return to the pools."""
         if request.is_finished:
             return
         if request.status is RequestStatus.RUNNING:
             self._release(request)
-            self.running.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.finish_time = time.monotonic()
 
-    def _admit(self, request: Request, match: PrefixMatch | None) -> None:
+    def _admit(self, request: Request, cached: bool) -> None:
+        """A request whose pages KVManager.admit has set up starts running."""
         request.status = RequestStatus.RUNNING
-        request.slot = self.free_slots.pop()
+        self.slots.assign(request)
         request.admit_index = next(self._admissions)
-        if self.cache is not None and match is None:  # it will not read the cache, but its pages go in
-            request.cache_node = self.cache.root(request.cache_salt)
-        if match is not None:  # start from the cached prefix (its path already locked)
-            request.pages = match.pages.copy()
-            self.pool.share(request.pages)
-            request.cache_node = match.node
-            request.num_computed_tokens = match.node.end
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
-            if match is not None:
+            if cached:
                 self.stats.prefix_cache_queries += request.num_prompt_tokens
                 self.stats.prefix_cache_hits += request.num_computed_tokens
         if request.first_scheduled_time is None:
@@ -235,43 +212,25 @@ class Scheduler:
         keys = [(r.priority, r.admit_index) for r in self.running]
         self.running.insert(bisect.bisect(keys, (request.priority, request.admit_index)), request)
 
-    def _pages_needed(self, request: Request, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.page_size) - len(request.pages)
-
-    def _can_allocate(self, num_pages: int) -> bool:
-        """Whether `num_pages` can be had, evicting unlocked cached pages if the free ones fall short."""
-        if num_pages > self.pool.num_free and self.cache is not None:
-            self.cache.evict(num_pages - self.pool.num_free)
-        return num_pages <= self.pool.num_free
-
-    def _reserve_pages(self, request: Request, num_tokens: int) -> bool:
-        needed = self._pages_needed(request, num_tokens)
-        if needed <= 0:
-            return True
-        if not self._can_allocate(needed):
-            return False
-        request.pages = np.concatenate([request.pages, self.pool.allocate(needed)])
-        return True
-
     def _preempt(self, request: Request) -> None:
         self._release(request)
-        self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         bisect.insort(self.waiting, request, key=_queue_order)
         log.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
     def _release(self, request: Request) -> None:
-        """Give back a running request's pages and slot; with caching, its computed pages stay cached."""
-        if request.cache_node is not None:
-            self._cache_pages(request, request.num_computed_tokens)
-            self.cache.unlock(request.cache_node)
-            request.cache_node = None
-        self.pool.release(request.pages)
-        request.pages = np.zeros(0, np.int32)
-        self.free_slots.append(request.slot)
-        request.slot = -1
+        """A running request stops running: its pages (cached, with caching) and slot go back."""
+        self.kv.free(request)
+        self.slots.release(request)
+        self.running.remove(request)
+
+    def check_idle(self) -> None:
+        """Nothing runs, and every slot and page is back (each page free or cached, unlocked), with every
+        prefix-cache invariant checked: a walk of the whole tree, for tests and JSERVE_CHECK_CACHE."""
+        assert not self.running, "a request still runs"
+        self.slots.check_idle()
+        self.kv.check_idle()
 
 
 def _queue_order(request: Request) -> tuple[int, int, int]:
