@@ -20,6 +20,7 @@ from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput, bias_entries
 from jserve.engine.scheduler import ScheduledSequence, Scheduler
 from jserve.engine.stats import EngineStats
+from jserve.errors import RequestError
 from jserve.loader import LoadedModel
 from jserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
@@ -113,12 +114,16 @@ class LLMEngine:
         text = text if text is not None else prompt_text
         params.validate_for_vocab(self.model.config.vocab_size)
         if params.n > self.config.max_num_seqs:  # each completion is a sequence of its own
-            raise ValueError(f"n must be at most max_num_seqs ({self.config.max_num_seqs}), got {params.n}")
+            raise RequestError(f"n must be at most max_num_seqs ({self.config.max_num_seqs}), got {params.n}", "n")
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r:.60}")
+            raise RequestError(f"priority must be an integer, got {priority!r:.60}", "priority")
         if priority != 0 and self.config.schedule_policy != "priority":
-            raise ValueError(f"priority is honoured only with schedule_policy 'priority' (--schedule-policy priority);"
-                             f" this engine runs '{self.config.schedule_policy}', got {priority}")  # fmt: skip
+            policy = self.config.schedule_policy
+            raise RequestError(
+                f"priority is honoured only with schedule_policy 'priority' (--schedule-policy priority); this "
+                f"engine runs '{policy}', got {priority}",
+                "priority",
+            )
         bias_entries(params, tuple(self.eos_ids) + params.stop_token_ids)  # raises now if the bias row overflows
         seeds = [
             params.seed + i if params.seed is not None else int(self._rng.integers(2**31)) for i in range(params.n)
@@ -154,13 +159,16 @@ class LLMEngine:
             vocab = self.model.config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+                raise RequestError(
+                    f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt"
+                )
         if not ids:
-            raise ValueError("prompt is empty")
+            raise RequestError("prompt is empty", "prompt")
         if len(ids) >= self.config.max_model_len:
-            raise ValueError(
+            raise RequestError(
                 f"prompt has {len(ids)} tokens, but max_model_len is {self.config.max_model_len} "
-                "(the prompt plus at least one generated token must fit)"
+                "(the prompt plus at least one generated token must fit)",
+                "prompt",
             )
         return text, ids
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.engine.penalties import PenaltyState, apply_penalties, init_penalty_state, update_penalty_state
+from jserve.errors import RequestError
 from jserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 __all__ = [
@@ -248,8 +249,9 @@ def bias_entries(params: SamplingParams, suppressed_ids: Sequence[int] = ()) -> 
     """
     entries = {**params.logit_bias, **dict.fromkeys(suppressed_ids, -np.inf)}
     if len(entries) > BIAS_WIDTH:
-        raise ValueError(
-            f"logit_bias and stop_token_ids together may name at most {BIAS_WIDTH} tokens, got {len(entries)}"
+        raise RequestError(
+            f"logit_bias and stop_token_ids together may name at most {BIAS_WIDTH} tokens, got {len(entries)}",
+            "logit_bias",
         )
     return entries
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from jserve.engine.args import EngineArgs
 from jserve.engine.engine import LLMEngine
-from jserve.errors import JServeError, RequestError
+from jserve.errors import JServeError
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.server.commands import AbortRequests, AddRequests, Command, PromptInput, Stop
@@ -225,7 +225,7 @@ class AsyncEngine:
         except Exception as err:  # bad input: withdraw this call's requests, touch nothing else
             for request_id in added:
                 self.engine.abort_request(request_id)
-            submission.loop.call_soon_threadsafe(_settle, command.accepted, _with_field(err))
+            submission.loop.call_soon_threadsafe(_settle, command.accepted, err)
             return
         for request_id in added:
             self._routes[request_id] = submission
@@ -250,21 +250,6 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
             submission.loop.call_soon_threadsafe(submission._deliver, err)
         self._routes.clear()
-
-
-# engine.py's add_request raises plain ValueErrors whose first word is the field they refuse ("prompt has
-# 300 tokens, ...", "n must be at most max_num_seqs ...", and from the sampler "logit_bias and
-# stop_token_ids together ..."). Until it raises RequestError, this is the one place that reads the field
-# from the message; a word not listed here names no field.
-ENGINE_ERROR_FIELDS = {"prompt": "prompt", "prompt_token_ids": "prompt", "n": "n", "priority": "priority",
-                       "logit_bias": "logit_bias"}  # fmt: skip
-
-
-def _with_field(err: Exception) -> Exception:
-    """The engine's refusal as a RequestError naming its field; RequestErrors and failures pass as they are."""
-    if isinstance(err, RequestError) or not isinstance(err, ValueError):
-        return err
-    return RequestError(str(err), ENGINE_ERROR_FIELDS.get(str(err).split(" ", 1)[0]))
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
