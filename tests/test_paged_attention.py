@@ -7,9 +7,8 @@ import pytest
 
 from jserve.attention import KVPages, SequenceChunk, allocate_kv_cache, build_model_input, paged_attention, write_kv
 from jserve.loader import load_model
-from jserve.models import forward_step
 
-from tiny_models import VOCAB_SIZE, jserve_prompt_logits, save_tiny_checkpoint
+from tiny_models import VOCAB_SIZE, jserve_prompt_logits, model_forward, save_tiny_checkpoint
 
 
 def dense_attention(q, k, v, q_positions, scale, window, soft_cap):
@@ -110,12 +109,12 @@ def test_logits_do_not_depend_on_chunking_or_batch(tiny_llama):
     kv = allocate_kv_cache(model.config, 8, page_size, model.dtype)
     a_pages, b_pages = np.array([5, 1], np.int32), np.array([2, 7], np.int32)
     first = build_model_input([SequenceChunk(a[:13], 0, a_pages)], page_size, 16, 2, 4, all_logits=True)
-    logits1, kv = forward_step(model.graphdef, model.params, kv, first)
+    logits1, kv = model_forward(model, kv, first)
     # A's second chunk runs in one step with all of B (ragged batch, interleaved pages).
     second = build_model_input(
         [SequenceChunk(a[13:], 13, a_pages), SequenceChunk(b, 0, b_pages)], page_size, 64, 2, 4, all_logits=True
     )
-    logits2, kv = forward_step(model.graphdef, model.params, kv, second)
+    logits2, kv = model_forward(model, kv, second)
     # Equal up to float32 noise: XLA orders matmul reductions by batch shape, so bits may differ.
     np.testing.assert_allclose(np.asarray(logits1)[:13], whole[:13], atol=1e-4)
     np.testing.assert_allclose(np.asarray(logits2)[:17], whole[13:], atol=1e-4)

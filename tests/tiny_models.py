@@ -219,8 +219,7 @@ def jserve_prompt_logits(model, prompt_ids: list[int], attention=None) -> np.nda
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jserve.attention import REFERENCE, SequenceChunk, allocate_kv_cache, build_model_input
-    from jserve.models import forward_step
+    from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input
     from jserve.parallel import kv_cache_spec
 
     mesh = model.mesh
@@ -231,5 +230,16 @@ def jserve_prompt_logits(model, prompt_ids: list[int], attention=None) -> np.nda
     padded = max(16, 1 << (n - 1).bit_length())
     batch = build_model_input([SequenceChunk(np.asarray(prompt_ids), 0, pages)], page_size, padded, 1, len(pages), True)
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec()) if mesh else None)
-    logits, _ = forward_step(model.graphdef, model.params, kv, batch, attention=attention or REFERENCE)
+    logits, _ = model_forward(model, kv, batch, attention)
     return np.asarray(logits)
+
+
+def model_forward(model, kv, batch, attention=None):
+    """(logits, KV cache) of one batch through `jserve.models.forward`, the function the engine's step runs
+    the model with, jitted here on its own (the reference attention unless `attention` is given)."""
+    import jax
+
+    from jserve.attention import REFERENCE
+    from jserve.models import forward
+
+    return jax.jit(forward, static_argnums=(0, 4))(model.graphdef, model.params, kv, batch, attention or REFERENCE)

@@ -1,4 +1,5 @@
-"""The engine's one jitted step: run the model on a padded mixed batch, then sample each sequence on device.
+"""The engine's one jitted step: run the model (models.forward) on a padded mixed batch, then sample each
+sequence on device.
 
 Besides the KV cache and the penalty state, the step carries its sampled token ids to the next step on the
 device, so a token sampled by step N can be step N+1's input before the host has fetched it (async
@@ -15,6 +16,7 @@ from flax import nnx
 
 from jserve.attention import AttentionBackend, KVCache, ModelInput
 from jserve.engine.sampler import PenaltyState, SamplerOutput, SamplingBatch, sample, update_penalty_state
+from jserve.models import forward
 
 
 @jax.tree_util.register_dataclass
@@ -56,8 +58,8 @@ def engine_step(
     rows = step.pending_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], step.model.token_ids)
     model_input = replace(step.model, token_ids=token_ids)
-    model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(params_def, params))
-    logits, kv_cache = model(model_input, kv_cache, attention)
+    params_tree = jax.tree_util.tree_unflatten(params_def, params)
+    logits, kv_cache = forward(graphdef, params_tree, kv_cache, model_input, attention)
     p = step.penalties
     penalty_state = update_penalty_state(
         penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset

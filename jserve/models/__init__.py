@@ -1,6 +1,6 @@
-"""Flax NNX models for the Llama, Mistral and Qwen2/Qwen3 families, and their jitted step."""
+"""Flax NNX models for the Llama, Mistral and Qwen2/Qwen3 families, and `forward`, the one way to run them."""
 
 from jserve.models.causal_lm import CausalLM
-from jserve.models.forward import forward_step
+from jserve.models.forward import forward
 
-__all__ = ["CausalLM", "forward_step"]
+__all__ = ["CausalLM", "forward"]

@@ -1,27 +1,21 @@
-"""The jitted model step: a pure function of (params, KV cache, batch), with the cache donated.
+"""The model's one entry point: a pure function of (structure, parameters, KV cache, batch).
 
-The model's structure (graphdef) is static; its parameters travel as an explicit pytree, so the same
-function can be bucketed by batch shape, and later sharded, without touching the module code.
+The module structure (graphdef) is static and the parameters travel as an explicit pytree, so a caller can
+jit it, bucket it by batch shape and shard it without touching module code. The engine's jitted step
+(engine/step.py) runs the model through it; the tests that compare logits call it too, so they check the
+very function the engine runs.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 from flax import nnx
 
-from jserve.attention import REFERENCE, AttentionBackend, KVCache, ModelInput
+from jserve.attention import AttentionBackend, KVCache, ModelInput
 
 
-@partial(jax.jit, static_argnums=0, static_argnames="attention", donate_argnums=2)
-def forward_step(
-    graphdef: nnx.GraphDef,
-    params: nnx.State,
-    kv_cache: KVCache,
-    batch: ModelInput,
-    attention: AttentionBackend = REFERENCE,
-):
-    """-> (float32 logits [L, vocab] at batch.logits_indices, updated KV cache)."""
-    model = nnx.merge(graphdef, params)
-    return model(batch, kv_cache, attention)
+def forward(
+    graphdef: nnx.GraphDef, params: nnx.State, kv_cache: KVCache, batch: ModelInput, attention: AttentionBackend
+) -> tuple[jax.Array, KVCache]:
+    """-> (float32 logits [L, vocab] at batch.logits_indices, the KV cache with the batch's K/V written)."""
+    return nnx.merge(graphdef, params)(batch, kv_cache, attention)
