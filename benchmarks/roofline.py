@@ -195,7 +195,7 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int, rng) -> Timing:
 
     def advance() -> None:
         for out in engine.step():
-            counts[out.request_id] = len(out.outputs[0].token_ids)
+            counts[out.request_id] += len(out.outputs[0].delta_token_ids)
 
     while min(counts.values()) == 0:
         advance()

@@ -82,16 +82,13 @@ class LLM:
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got n={params.n}")
         request_id = self.engine.add_request(prompt, params)
-        sent = 0
         try:
             while True:
                 for out in self.engine.step():
                     if out.request_id != request_id:
                         continue
-                    text = out.outputs[0].text
-                    if len(text) > sent:
-                        yield text[sent:]
-                        sent = len(text)
+                    if delta := out.outputs[0].delta:
+                        yield delta
                     if out.finished:
                         return
         finally:

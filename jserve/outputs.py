@@ -35,13 +35,23 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
+    """One completion as of one engine step. Every output carries what the step adds (`delta`,
+    `delta_token_ids`, `delta_logprobs`), which is all a stream reads, so an output costs what it adds; the
+    whole completion (`text`, `token_ids`, `logprobs`) is assembled once, in its finished output, and is
+    empty in the outputs before it."""
+
     index: int
-    text: str
-    token_ids: list[int]
+    text: str  # the whole text, in the finished output
+    token_ids: list[int]  # every generated token, in the finished output
     cumulative_logprob: float | None = None
-    logprobs: SampleLogprobs | None = None
+    logprobs: SampleLogprobs | None = None  # one entry per generated token, in the finished output
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error", None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # Final text: never half a UTF-8 character, nor a tail that could still become a stop string (both wait
+    # for a later delta), so the deltas of a completion's outputs concatenate to its whole text.
+    delta: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)  # their text may come in a later delta
+    delta_logprobs: SampleLogprobs | None = None  # for delta_token_ids; None when logprobs were not asked for
 
     @property
     def finished(self) -> bool:

@@ -82,7 +82,7 @@ def test_the_next_step_is_launched_before_the_previous_is_processed(tiny_llama_c
     engine.add_request(prompts(1, seed=43, low=16, high=17)[0], greedy)
     assert engine.step() == [] and engine.in_flight is not None  # the prefill launched, nothing processed yet
     outputs = engine.step()  # the first decode launched, then the prefill's sample processed
-    assert [o.outputs[0].token_ids for o in outputs] == [engine.in_flight.sequences[0].request.output_token_ids]
+    assert [o.outputs[0].delta_token_ids for o in outputs] == [engine.in_flight.sequences[0].request.output_token_ids]
     request = engine.in_flight.sequences[0].request
     assert request.num_output_tokens == 1 and request.num_pending == 1  # one token known, the next in flight
     while engine.has_unfinished_requests():

@@ -227,6 +227,31 @@ def test_stream_matches_generate(llm):
     assert "".join(deltas) == llm.generate([probe], GREEDY, use_tqdm=False)[0].outputs[0].text
 
 
+def test_step_outputs_carry_deltas_that_add_up_to_the_finished_completion(llm):
+    """Each output carries what its step added; the whole completion comes once, in the finished output,
+    and is what the deltas add up to (a stop string cut from it, n > 1 completions finishing apart)."""
+    probe = prompts(1, seed=18)[0]
+    settings = dict(temperature=1.0, seed=7, max_tokens=30, ignore_eos=True, n=2, logprobs=1)
+    unstopped = llm.generate([probe], SamplingParams(**settings), use_tqdm=False)[0].outputs[0].text
+    stop = unstopped[10:12]
+    assert len(unstopped) > 20
+    engine = llm.engine
+    engine.add_request(probe, SamplingParams(**settings, stop=[stop]))
+    texts, token_ids, logprobs = ["", ""], [[], []], [[], []]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                texts[c.index] += c.delta
+                token_ids[c.index] += c.delta_token_ids
+                logprobs[c.index] += c.delta_logprobs
+                if not c.finished:
+                    assert (c.text, c.token_ids, c.logprobs) == ("", [], [])
+    assert out.finished and out.outputs[0].stop_reason == stop
+    assert [c.text for c in out.outputs] == texts and texts[0] == unstopped[: unstopped.index(stop)]
+    assert [c.token_ids for c in out.outputs] == token_ids
+    assert [c.logprobs for c in out.outputs] == logprobs
+
+
 def test_stream_closed_early_frees_its_pages(llm):
     stream = llm.stream(prompts(1, seed=17)[0], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     assert next(stream)

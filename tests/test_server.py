@@ -306,7 +306,7 @@ def hold_the_engine_until_the_call_is_abandoned(server, monkeypatch) -> HeldEngi
         if held.running.is_set():
             held.abandoned.wait(timeout=120)  # the test itself gives up after 60 s
         outputs = step()
-        if any(c.text for out in outputs for c in out.outputs):
+        if any(c.delta for out in outputs for c in out.outputs):
             held.running.set()
         return outputs
 

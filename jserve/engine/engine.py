@@ -22,7 +22,7 @@ from jserve.engine.scheduler import ScheduledSequence, Scheduler
 from jserve.engine.stats import EngineStats
 from jserve.errors import RequestError
 from jserve.loader import LoadedModel
-from jserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jserve.outputs import RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
 
 log = logging.getLogger("jserve")
@@ -304,20 +304,9 @@ class LLMEngine:
         return self.stats
 
     def _output(self, parent: ParentRequest) -> RequestOutput:
-        completions = []
-        for child in parent.children:
-            state = self.outputs.texts[child.request_id]
-            completions.append(
-                CompletionOutput(
-                    index=child.index,
-                    text=state.visible_text(child.is_finished),
-                    token_ids=child.output_token_ids,
-                    cumulative_logprob=child.cumulative_logprob if child.params.logprobs is not None else None,
-                    logprobs=list(child.logprobs) if child.params.logprobs is not None else None,
-                    finish_reason=child.finish_reason,
-                    stop_reason=child.stop_reason,
-                )
-            )
+        """The parent's output for this step. Its completions carry what changed since their last output, and
+        each change is handed out once: every output the engine returns must reach its consumer."""
+        completions = [self.outputs.completion(child) for child in parent.children]
         scheduled = [c.first_scheduled_time for c in parent.children if c.first_scheduled_time is not None]
         first_tokens = [c.first_token_time for c in parent.children if c.first_token_time is not None]
         finishes = [c.finish_time for c in parent.children if c.finish_time is not None]

@@ -1,4 +1,5 @@
-"""After each step: append sampled tokens, detokenize incrementally, and decide which requests stop and why.
+"""After each step: append sampled tokens, detokenize incrementally, decide which requests stop and why, and
+hand each step's new text and tokens out as a CompletionOutput's deltas.
 
 Contract: the OutputProcessor is the only writer of a request's sampled tokens, from launch to fetch
 (num_pending, pending_row, then token_buffer and num_tokens) and their logprobs.
@@ -6,42 +7,44 @@ Contract: the OutputProcessor is the only writer of a request's sampled tokens, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from jserve.engine.request import Request
 from jserve.engine.sampler import SamplerOutput
-from jserve.outputs import Logprob
+from jserve.outputs import CompletionOutput, Logprob
 from jserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
-class TextState:
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    max_stop_len: int = 0
+class CompletionState:
+    """What of a request's completion its outputs have carried, and what waits for the next one."""
 
-    def visible_text(self, finished: bool) -> str:
-        """The text so far, holding back a tail that could still grow into a stop string."""
-        if finished or self.max_stop_len <= 1:
-            return self.text
-        return self.text[: max(0, len(self.text) - (self.max_stop_len - 1))]
+    detokenizer: IncrementalDetokenizer
+    max_stop_len: int = 0
+    # Decoded text no output has carried yet: while the request runs, its last max_stop_len - 1 characters
+    # stay here (they could still begin a stop string), so it holds that tail plus the text of the steps
+    # since the last output.
+    unsent: str = ""
+    sent: list[str] = field(default_factory=list)  # the deltas carried so far, joined once it finishes
+    tokens_sent: int = 0  # output tokens (and logprob entries) carried so far
+    final: CompletionOutput | None = None  # once its finished output is made: what later outputs repeat
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int]):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.texts: dict[str, TextState] = {}
+        self.states: dict[str, CompletionState] = {}
 
     def register(self, request: Request) -> None:
         params = request.params
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        self.texts[request.request_id] = TextState(detokenizer, max_stop_len=max(map(len, params.stop), default=0))
+        self.states[request.request_id] = CompletionState(detokenizer, max(map(len, params.stop), default=0))
 
     def forget(self, request: Request) -> None:
-        self.texts.pop(request.request_id, None)
+        self.states.pop(request.request_id, None)
 
     def launched(self, request: Request, row: int) -> None:
         """A launched step samples the request's next token into `row` of its samples: pending until fetched."""
@@ -57,16 +60,52 @@ class OutputProcessor:
         request.cumulative_logprob += float(samples.logprobs[row])
         if request.params.logprobs is not None:
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
-        state = self.texts[request.request_id]
+        state = self.states[request.request_id]
         delta = state.detokenizer.add([token])
-        state.text += delta
+        state.unsent += delta
         finish = self._check_stop(request, token, state, len(delta))
         if finish is not None and not isinstance(finish[1], str):
-            state.text += state.detokenizer.flush()  # bytes held back for a character that never completed
+            state.unsent += state.detokenizer.flush()  # bytes held back for a character that never completed
         return finish
 
+    def completion(self, request: Request) -> CompletionOutput:
+        """The request's output for this step: what it adds since the last one and, once the request has
+        finished, the whole completion."""
+        state = self.states[request.request_id]
+        if state.final is not None:  # finished and output already: a sibling's progress asks again
+            return state.final
+        finished = request.is_finished
+        held = 0 if finished else max(0, state.max_stop_len - 1)
+        cut = max(0, len(state.unsent) - held)
+        delta, state.unsent = state.unsent[:cut], state.unsent[cut:]
+        if delta:
+            state.sent.append(delta)
+        first, last = request.num_prompt_tokens + state.tokens_sent, request.num_tokens
+        wants_logprobs = request.params.logprobs is not None
+        delta_logprobs = request.logprobs[state.tokens_sent :] if wants_logprobs else None
+        state.tokens_sent = request.num_output_tokens
+        if finished:  # the whole completion, assembled once
+            text, token_ids, logprobs = "".join(state.sent), request.output_token_ids, list(request.logprobs)
+        else:
+            text, token_ids, logprobs = "", [], []
+        out = CompletionOutput(
+            index=request.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
+            logprobs=logprobs if wants_logprobs else None,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            delta=delta,
+            delta_token_ids=request.token_buffer[first:last].tolist(),
+            delta_logprobs=delta_logprobs,
+        )
+        if finished:
+            state.final = replace(out, delta="", delta_token_ids=[], delta_logprobs=[] if wants_logprobs else None)
+        return out
+
     def _check_stop(
-        self, request: Request, token: int, state: TextState, delta_len: int
+        self, request: Request, token: int, state: CompletionState, delta_len: int
     ) -> tuple[str, int | str | None] | None:
         params = request.params
         if request.num_output_tokens >= params.min_tokens:
@@ -75,12 +114,12 @@ class OutputProcessor:
             if not params.ignore_eos and token in self.eos_ids:
                 return "stop", None
             if params.stop:
-                # Only the tail the last token could have completed needs searching.
-                tail_start = max(0, len(state.text) - delta_len - state.max_stop_len + 1)
+                # Only the tail the last token could have completed needs searching, and it is all unsent.
+                tail_start = max(0, len(state.unsent) - delta_len - state.max_stop_len + 1)
                 for stop in params.stop:
-                    at = state.text.find(stop, tail_start)
+                    at = state.unsent.find(stop, tail_start)
                     if at >= 0:
-                        state.text = state.text[:at]
+                        state.unsent = state.unsent[:at]
                         return "stop", stop
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return "length", None

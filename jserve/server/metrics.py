@@ -45,7 +45,7 @@ class ServerMetrics:
         self.queue_time = make(Histogram, "request_queue_time_seconds", "Arrival to first scheduled",
                                buckets=LATENCY_BUCKETS)  # fmt: skip
         self._counted = (0,) * 9
-        self._last_token: dict[tuple[str, int], tuple[float, int]] = {}  # (request, completion) -> (time, tokens)
+        self._last_token: dict[tuple[str, int], float] = {}  # (request, completion) -> when its last token came
         self._started: set[str] = set()  # requests whose first token was counted
 
     def observe_step(self, engine) -> None:
@@ -69,12 +69,11 @@ class ServerMetrics:
         metrics = out.metrics
         for completion in out.outputs:
             key = (out.request_id, completion.index)
-            count = len(completion.token_ids)
-            last_time, last_count = self._last_token.get(key, (None, 0))
-            if count > last_count:
+            if new_tokens := len(completion.delta_token_ids):
+                last_time = self._last_token.get(key)
                 if last_time is not None:
-                    self.itl.observe((now - last_time) / (count - last_count))
-                self._last_token[key] = (now, count)
+                    self.itl.observe((now - last_time) / new_tokens)
+                self._last_token[key] = now
             if completion.finished:
                 self._last_token.pop(key, None)
                 self.success[completion.finish_reason].inc()

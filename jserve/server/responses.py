@@ -1,8 +1,8 @@
 """Engine outputs as OpenAI response bodies: whole responses, and streamed chunks built from deltas.
 
-A choice's index is prompt_index * n + completion index, as OpenAI numbers them. Streamed text comes
-from the engine's incremental detokenizer, which never splits a UTF-8 character and holds back a tail
-that could still become a stop string, so each chunk's text is final.
+A choice's index is prompt_index * n + completion index, as OpenAI numbers them. A chunk's text is the
+engine's delta (the incremental detokenizer never splits a UTF-8 character, and the engine holds back a
+tail that could still become a stop string), so each chunk's text is final.
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ from __future__ import annotations
 import abc
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from jserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
 
 
 @dataclass
 class ChoiceProgress:
-    text_sent: int = 0
+    """What a streamed choice has sent, and the tokens that wait to go out with the text they complete."""
+
+    text_sent: int = 0  # characters: where the next chunk's text starts in the choice (its text_offset)
     tokens_sent: int = 0
+    tokens: list[int] = field(default_factory=list)  # received, their text not yet
+    logprobs: SampleLogprobs = field(default_factory=list)  # theirs
     finished: bool = False
 
 
@@ -52,7 +56,8 @@ class ResponseBuilder(abc.ABC):
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         self.cached_tokens[prompt_index] = out.num_cached_tokens
         for c in out.outputs:
-            self.completion_tokens[prompt_index * self.n + c.index] = len(c.token_ids)
+            if c.finished:  # the whole completion is in its finished output
+                self.completion_tokens[prompt_index * self.n + c.index] = len(c.token_ids)
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         choices = []
@@ -65,7 +70,8 @@ class ResponseBuilder(abc.ABC):
                 "choices": choices, "usage": self.usage()}  # fmt: skip
 
     def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
-        """Chunks for what `out` adds since the last call: new text, its tokens' logprobs, finish reasons."""
+        """Chunks for what `out` adds (its deltas; every output of the call must come here, in order): new
+        text, its tokens' logprobs, finish reasons."""
         self._record(prompt_index, out)
         chunks = []
         for c in out.outputs:
@@ -73,19 +79,21 @@ class ResponseBuilder(abc.ABC):
             progress = self.progress.setdefault(index, ChoiceProgress())
             if progress.finished:
                 continue
-            first = progress.text_sent == 0 and progress.tokens_sent == 0
-            text = c.text[progress.text_sent :]
-            if not text and not c.finished:
+            progress.tokens += c.delta_token_ids
+            if c.delta_logprobs is not None:
+                progress.logprobs += c.delta_logprobs
+            if not c.delta and not c.finished:
                 continue  # tokens whose text is held back go out with the text they complete
             echo = self.echo_texts[prompt_index] if self.echo_texts else ""
             offset = len(echo) + progress.text_sent  # where this chunk's tokens start in the choice's text
-            if first:
-                text = echo + text
-            logprobs = c.logprobs[progress.tokens_sent :] if c.logprobs is not None else None
-            tokens = c.token_ids[progress.tokens_sent :]
-            progress.text_sent, progress.tokens_sent = len(c.text), len(c.token_ids)
+            first = progress.text_sent == 0 and progress.tokens_sent == 0
+            text = echo + c.delta if first else c.delta
+            logprobs = progress.logprobs if c.delta_logprobs is not None else None
+            chunks.append(self._chunk(index, text, progress.tokens, logprobs, c.finish_reason, offset))
+            progress.text_sent += len(c.delta)
+            progress.tokens_sent += len(progress.tokens)
+            progress.tokens, progress.logprobs = [], []
             progress.finished = c.finished
-            chunks.append(self._chunk(index, text, tokens, logprobs, c.finish_reason, offset))
         return chunks
 
     def usage_chunk(self) -> dict:
