@@ -69,8 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     llm, params = build_llm(args), sampling_params(args)
     tokenizer = llm.get_tokenizer()
     if tokenizer.chat_template and not args.raw:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+        _, prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     try:
@@ -99,8 +98,8 @@ def chat_loop(llm, params, system: str | None) -> None:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        reply = stream_reply(llm, tokenizer.encode(text, add_special_tokens=False), params)
+        _, prompt_ids = tokenizer.encode_chat(messages)
+        reply = stream_reply(llm, prompt_ids, params)
         messages.append({"role": "assistant", "content": reply})
 
 

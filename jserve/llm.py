@@ -16,6 +16,7 @@ from jserve.setting import build
 
 Prompt = str | list[int]
 Messages = list[dict]
+PromptIds = tuple[str | None, list[int]]  # a prompt's text (None for token ids given as such) and its ids
 
 
 class LLM:
@@ -60,7 +61,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Complete every prompt (a str, a list of str, or a list of token-id lists); outputs in input order."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        return self._run(prompts, sampling_params, use_tqdm, priority)
+        return self._run([self._encode(p) for p in prompts], sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -71,17 +72,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of messages) or to each of several, with the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        texts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations
-        ]
-        return self._run(texts, sampling_params, use_tqdm, None, templated=True)
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm, None)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion's text as it is generated (one completion: n must be 1)."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got n={params.n}")
-        request_id = self.engine.add_request(prompt, params)
+        text, ids = self._encode(prompt)
+        request_id = self.engine.add_request(ids, params, prompt_text=text)
         try:
             while True:
                 for out in self.engine.step():
@@ -94,7 +94,13 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)  # no-op once finished; frees the pages if the caller stopped early
 
-    def _run(self, prompts, sampling_params, use_tqdm, priority, templated: bool = False) -> list[RequestOutput]:
+    def _encode(self, prompt: Prompt) -> PromptIds:
+        """A prompt's ids: text is encoded here (with the checkpoint's BOS/EOS rules), as the engine takes ids."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return None, list(prompt)
+
+    def _run(self, prompts: list[PromptIds], sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -104,12 +110,8 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         ids: list[str] = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities, strict=True):
-                if templated:  # the template wrote any BOS itself
-                    ids.append(self.engine.add_request(self.tokenizer.encode(prompt, False), p, priority=prio,
-                                                       prompt_text=prompt))  # fmt: skip
-                else:
-                    ids.append(self.engine.add_request(prompt, p, priority=prio))
+            for (text, prompt_ids), p, prio in zip(prompts, params, priorities, strict=True):
+                ids.append(self.engine.add_request(prompt_ids, p, priority=prio, prompt_text=text))
             return self._drain(ids, use_tqdm)
         except BaseException:  # a bad prompt, or Ctrl-C: withdraw this batch, leave the engine usable
             for request_id in ids:

@@ -125,6 +125,23 @@ def test_bpe_folder_chat_template(bpe_folder: Path) -> None:
         assert ours.apply_chat_template(conversation) == expected
 
 
+def test_encode_chat_gives_the_ids_transformers_gives(bpe_folder: Path) -> None:
+    """The template's text, encoded without special tokens: the template writes any BOS itself."""
+    ours, reference = Tokenizer.from_folder(bpe_folder), AutoTokenizer.from_pretrained(bpe_folder)
+
+    def reference_ids(conversation, add_generation_prompt):
+        return reference.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+        )["input_ids"]
+
+    for conversation in CONVERSATIONS.values():
+        text, ids = ours.encode_chat(conversation)
+        assert text == ours.apply_chat_template(conversation)
+        assert ids == reference_ids(conversation, True) and ids != ours.encode(text)  # encode adds a BOS
+    _, ids = ours.encode_chat(CONVERSATIONS["multi turn"], add_generation_prompt=False)
+    assert ids == reference_ids(CONVERSATIONS["multi turn"], False)
+
+
 def test_chat_template_file_takes_precedence(bpe_folder: Path) -> None:
     (bpe_folder / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}", encoding="utf-8")
     assert Tokenizer.from_folder(bpe_folder).apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>hi"

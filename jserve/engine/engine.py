@@ -95,7 +95,7 @@ class LLMEngine:
 
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
@@ -104,14 +104,15 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; raises ValueError (naming the field) before anything is queued.
 
-        `prompt_text` names the text of a token-id prompt (e.g. a rendered chat template) for the output;
-        requests share cached prefixes only with requests of the same `cache_salt`."""
+        The prompt comes as token ids, which its callers encode (LLM, and the server's handlers, which need
+        the ids to check a request before queueing it, and tokenize off the engine thread); `prompt_text` is
+        its text (e.g. a rendered chat template) for the output. Requests share cached prefixes only with
+        requests of the same `cache_salt`."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        text = text if text is not None else prompt_text
+        ids = self._prompt_ids(prompt_token_ids)
         params.validate_for_vocab(self.model.config.vocab_size)
         if params.n > self.config.max_num_seqs:  # each completion is a sequence of its own
             raise RequestError(f"n must be at most max_num_seqs ({self.config.max_num_seqs}), got {params.n}", "n")
@@ -137,7 +138,7 @@ class LLMEngine:
                 seed=seed,
                 arrival_index=arrival,
                 max_model_len=self.config.max_model_len,
-                prompt=text,
+                prompt=prompt_text,
                 priority=priority,
                 index=i,
                 parent_id=request_id,
@@ -145,23 +146,22 @@ class LLMEngine:
             )
             for i, seed in enumerate(seeds)
         ]
-        self.parents[request_id] = ParentRequest(request_id, text, ids, children)
+        self.parents[request_id] = ParentRequest(request_id, prompt_text, ids, children)
         for child in children:
             self.outputs.register(child)
             self.scheduler.add(child)
         return request_id
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            vocab = self.model.config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(
-                    f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt"
-                )
+    def _prompt_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        if isinstance(prompt_token_ids, str):
+            raise TypeError("add_request takes token ids; encode a text prompt with the tokenizer first")
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt"
+            )
         if not ids:
             raise RequestError("prompt is empty", "prompt")
         if len(ids) >= self.config.max_model_len:
@@ -170,7 +170,7 @@ class LLMEngine:
                 "(the prompt plus at least one generated token must fit)",
                 "prompt",
             )
-        return text, ids
+        return ids
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.get(request_id)

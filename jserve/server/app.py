@@ -171,10 +171,10 @@ class OpenAIServer:
     def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> PromptInput:
         tokenizer = self.engine.info.tokenizer
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text, token_ids = tokenizer.encode_chat(messages, add_generation_prompt)
         except ValueError as err:
             raise bad_request(str(err), "messages") from None
-        return PromptInput(tokenizer.encode(text, add_special_tokens=False), text)  # the template wrote any BOS
+        return PromptInput(token_ids, text)
 
     async def _read_json(self, request: Request) -> dict:
         self._authorize(request)

@@ -154,6 +154,14 @@ class Tokenizer:
             **kwargs,
         )
 
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """The prompt for `messages`: the chat template's text, and its ids. The ids are encoded without
+        special tokens: the template writes any BOS itself, and a second one would change the prompt."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+        return text, self.encode(text, add_special_tokens=False)
+
     def save(self, folder: str | Path) -> None:
         """Write a folder that `Tokenizer.from_folder` loads back identically."""
         folder = Path(folder)
