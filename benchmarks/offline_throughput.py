@@ -28,7 +28,6 @@ from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.args import DTYPES, KV_CACHE_DTYPES
 from jserve.loader.default_model import default_model_path
 from jserve.loader.random_weights import MODEL_SHAPES
-from jserve.models import quantization
 from jserve.models.quantization import QUANTIZATIONS
 
 
@@ -206,17 +205,13 @@ def main() -> None:
         parser.error("--baseline needs a real checkpoint, not --random-weights")
     model = f"random:{args.random_weights}" if args.random_weights else args.model
 
-    def engine(attention_backend: str, int8_kernel: bool = True) -> LLM:
+    def engine(attention_backend: str, cpu_int8_kernel: bool = True) -> LLM:
         start = time.perf_counter()
-        default, quantization.CPU_KERNEL = quantization.CPU_KERNEL, int8_kernel
-        jax.clear_caches()  # the step is traced afresh, with this engine's matmul choice
-        try:
-            llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                      max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                      attention_backend=attention_backend, quantization=args.quantization,
-                      kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
-        finally:
-            quantization.CPU_KERNEL = default
+        jax.clear_caches()  # each engine traces its step afresh, as the first did: start-up times compare
+        llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                  attention_backend=attention_backend, quantization=args.quantization,
+                  cpu_int8_kernel=cpu_int8_kernel, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
         print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
               f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s")  # fmt: skip
         llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
@@ -230,7 +225,7 @@ def main() -> None:
         label = lambda e: f" [{e.engine.runner.attention.kernel}]"  # noqa: E731
         modes = [(e, {**mode, "label": label(e)}) for e, mode in modes] + [(other, {"label": label(other)})]
     if args.compare_xla_int8_dot:
-        other = engine(args.attention_backend, int8_kernel=False)
+        other = engine(args.attention_backend, cpu_int8_kernel=False)
         modes.append((other, {"label": " [xla int8 dot]"}))
     results = []
     for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike

@@ -37,14 +37,7 @@ from jserve.config import ModelConfig
 from jserve.engine.args import DTYPES, KV_CACHE_DTYPES
 from jserve.loader import resolve_dtype
 from jserve.loader.weights import leaves_by_name
-from jserve.models.quantization import (
-    QUANTIZATIONS,
-    activation_group,
-    int8_matmul,
-    quantize_rows,
-    tile,
-    tiles_weights,
-)
+from jserve.models.quantization import QUANTIZATIONS, Quantization, int8_matmul, quantize_rows, tile, tiles_weights
 
 # Data-sheet HBM bytes/s and dense bfloat16 FLOP/s, matched in order against jax's device_kind.
 SPECS = (
@@ -149,19 +142,19 @@ def _median_seconds(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measured_roof(dtype, quantization: str, probe_bytes: int, size: int) -> Roof:
+def measured_roof(dtype, quantization: Quantization, probe_bytes: int, size: int) -> Roof:
     """Bandwidth of a jitted sum over `probe_bytes` of float32; FLOP/s of one [size, size] @ [size, size]
     matmul through the model's own projection path (with int8 weights, the kernel the model runs)."""
     big = jnp.ones(probe_bytes // 4, jnp.float32)
     bandwidth = big.nbytes / _median_seconds(jax.jit(jnp.sum), big)
     del big
     x, w = jax.random.normal(jax.random.key(0), (2, size, size), dtype)
-    if quantization == "none":
-        matmul = jax.jit(lambda x: x @ w.T)
-    else:
+    if quantization.quantized:
         q, scale = quantize_rows(w)
         q = tile(q) if tiles_weights() else q
-        matmul = jax.jit(lambda x: int8_matmul(x, q, scale, group=activation_group(quantization)))
+        matmul = jax.jit(lambda x: int8_matmul(x, q, scale, group=quantization.activation_group))
+    else:
+        matmul = jax.jit(lambda x: x @ w.T)
     flops = 2 * size**3 / _median_seconds(matmul, x)
     return Roof(f"measured (sum over {probe_bytes >> 20} MiB; {size}^3 {quantization} matmul)", bandwidth, flops)
 
@@ -248,7 +241,8 @@ def main() -> None:
     on_cpu = device.platform == "cpu"
     probe = (args.probe_mib or (1024 if on_cpu else 4096)) << 20
     # Before the engine: its KV pool takes most of the free device memory.
-    measured = measured_roof(resolve_dtype(args.dtype), args.quantization, probe, 2048 if on_cpu else 8192)
+    quantization = Quantization(args.quantization)
+    measured = measured_roof(resolve_dtype(args.dtype), quantization, probe, 2048 if on_cpu else 8192)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               attention_backend=args.attention_backend, max_num_seqs=max(args.decode_batch),
               max_num_batched_tokens=args.max_num_batched_tokens,

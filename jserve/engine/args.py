@@ -77,6 +77,11 @@ class EngineArgs:
         "faithful to float32. Both read 4x fewer weight bytes",
         choices=QUANTIZATIONS,
     )
+    cpu_int8_kernel: bool = setting(
+        True,
+        "int8 and w8a8 on one CPU with AVX-512 VNNI: run the projections in jserve's C++ kernel, 2-5x faster than "
+        "XLA's quantize-and-int8-dot ops (which --no-cpu-int8-kernel runs instead, for comparison)",
+    )
     kv_cache_dtype: str = setting(
         "auto",
         "auto: the model's dtype; bfloat16 halves the KV cache's bytes (more sequences fit, attention reads "
@@ -96,6 +101,7 @@ class EngineArgs:
             dtype=self.dtype,
             mesh=mesh,
             quantization=self.quantization,
+            cpu_int8_kernel=self.cpu_int8_kernel,
             revision=self.revision,
             download_dir=self.download_dir,
             gguf_file=self.gguf_file,
