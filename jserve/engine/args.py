@@ -14,6 +14,7 @@ import jax
 from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.config import SCHEDULE_POLICIES, resolve_engine_config
 from jserve.engine.engine import LLMEngine
+from jserve.loader import DTYPES as FLOAT_DTYPES
 from jserve.loader import load_model
 from jserve.models.quantization import QUANTIZATIONS
 from jserve.parallel import make_mesh
@@ -23,8 +24,8 @@ from jserve.setting import add_flags, from_namespace, setting
 
 log = logging.getLogger("jserve")
 
-DTYPES = ["auto", "float32", "bfloat16"]
-KV_CACHE_DTYPES = ["auto", "float32", "bfloat16"]
+DTYPES = ["auto", *FLOAT_DTYPES]  # auto: float32 on CPU, bfloat16 elsewhere (resolve_dtype)
+KV_CACHE_DTYPES = ["auto", *FLOAT_DTYPES]  # auto: the model's dtype
 
 
 def enable_compilation_cache() -> None:
