@@ -1,4 +1,4 @@
-"""Decode and prefill speed beside the device's roofline (issue #8's GPU target: >= 80 % of it at batch 1).
+"""Decode and prefill speed beside the device's roofline (the GPU target: >= 80 % of it at batch 1).
 
 Decode at each `--decode-batch` B: B prompts of `--context` tokens are prefilled, then `--decode-steps`
 steps in which all B sequences decode are timed on the wall clock, host work included. Prefill:
