@@ -212,8 +212,10 @@ def main() -> None:
                   max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
                   attention_backend=attention_backend, quantization=args.quantization,
                   cpu_int8_kernel=cpu_int8_kernel, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
-        print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
-              f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s")  # fmt: skip
+        print(
+            f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
+            f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s"
+        )
         llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
         return llm
 
@@ -231,16 +233,20 @@ def main() -> None:
     for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike
         results += [run_jserve(e, work, **mode) for e, mode in modes]
         if args.repeats > 1:
-            print(f"repeat {repeat + 1}/{args.repeats}:", *(f"{r.name} {r.output_tokens / r.seconds:.1f} tok/s"
-                                                           for r in results[-len(modes) :]))  # fmt: skip
+            print(
+                f"repeat {repeat + 1}/{args.repeats}:",
+                *(f"{r.name} {r.output_tokens / r.seconds:.1f} tok/s" for r in results[-len(modes) :]),
+            )
     results = [median_result([r for r in results if r.name == name]) for name in dict.fromkeys(r.name for r in results)]
     if args.baseline == "hf":
         model_path = default_model_path() if args.model is None else Path(args.model)
         results.append(run_hf(model_path, work, args.baseline_requests))
-    print(f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
-          f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, {llm.engine.model.dtype.name}"
-          f"{' int8' if args.quantization == 'int8' else ''}, "
-          f"attention {llm.engine.runner.attention.kernel}, {jax.devices()[0].device_kind}")  # fmt: skip
+    print(
+        f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
+        f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, {llm.engine.model.dtype.name}"
+        f"{' int8' if args.quantization == 'int8' else ''}, "
+        f"attention {llm.engine.runner.attention.kernel}, {jax.devices()[0].device_kind}"
+    )
     report(results)
 
 

@@ -215,8 +215,9 @@ def time_prefill(llm: LLM, seqs: int, context: int, rng) -> Timing:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     seconds = time.perf_counter() - start
     stats = engine.sync_stats()
-    return Timing(seqs * context, seconds, stats.steps - before[0], stats.device_busy_s - before[1],
-                  stats.host_s - before[2])  # fmt: skip
+    return Timing(
+        seqs * context, seconds, stats.steps - before[0], stats.device_busy_s - before[1], stats.host_s - before[2]
+    )
 
 
 def main() -> None:
@@ -232,8 +233,9 @@ def main() -> None:
     parser.add_argument("--prefill-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default 4096 on "
-                        "accelerators, 1024 on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--probe-mib", type=int, default=None, help="bandwidth probe size (default 4096 on accelerators, 1024 on CPU)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -260,10 +262,12 @@ def main() -> None:
             else:
                 runs[kind, n].append(time_prefill(llm, n, args.context, rng))
 
-    print(f"{device.device_kind}; {args.model or 'default model'}, {llm.engine.model.dtype.name} "
-          f"{args.quantization}, K/V {llm.engine.config.kv_cache_dtype}, attention "
-          f"{llm.engine.runner.attention.kernel}; weights {cost.weight_bytes / 1e9:.2f} GB, "
-          f"K/V {cost.kv_bytes_per_token / 1e3:.1f} kB/token; context {args.context}")  # fmt: skip
+    print(
+        f"{device.device_kind}; {args.model or 'default model'}, {llm.engine.model.dtype.name} "
+        f"{args.quantization}, K/V {llm.engine.config.kv_cache_dtype}, attention "
+        f"{llm.engine.runner.attention.kernel}; weights {cost.weight_bytes / 1e9:.2f} GB, "
+        f"K/V {cost.kv_bytes_per_token / 1e3:.1f} kB/token; context {args.context}"
+    )
     for roof in roofs:
         print(f"roofline from {roof.source}: {roof.bytes_per_s / 1e9:.0f} GB/s, {roof.flops_per_s / 1e12:.1f} TFLOP/s")
     header = f"{'phase':16} {'tok/s':>9} {'ms/step':>8} {'device ms':>9} {'host ms':>8}"
@@ -276,8 +280,10 @@ def main() -> None:
         else:
             work, work_tokens = cost.prefill(n, args.context, timing.steps, args.max_num_batched_tokens), timing.tokens
         rate = timing.tokens / timing.seconds
-        line = (f"{kind + ' ' + str(n):16} {rate:9.1f} {1000 * timing.seconds / steps:8.2f} "
-                f"{1000 * timing.device_s / steps:9.2f} {1000 * timing.host_s / steps:8.2f}")  # fmt: skip
+        line = (
+            f"{kind + ' ' + str(n):16} {rate:9.1f} {1000 * timing.seconds / steps:8.2f} "
+            f"{1000 * timing.device_s / steps:9.2f} {1000 * timing.host_s / steps:8.2f}"
+        )
         for roof in roofs:
             seconds, bound = work.bound(roof)
             best = work_tokens / seconds

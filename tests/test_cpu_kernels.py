@@ -87,8 +87,9 @@ def test_zeros_are_zero_even_in_reused_memory():
         assert all(z.shape == shape and z.dtype == jnp.float32 and not np.asarray(z).any() for z in zeros)
 
 
-needs_int8_kernel = pytest.mark.skipif(not cpu_kernels.int8_linear_available(),
-                                       reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler")  # fmt: skip
+needs_int8_kernel = pytest.mark.skipif(
+    not cpu_kernels.int8_linear_available(), reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler"
+)
 
 
 def int8_case(tokens, outputs, depth, seed=0):
@@ -254,7 +255,9 @@ def test_loading_the_kernels_leaves_the_process_floating_point_alone():
     import subprocess
     import sys
 
-    check = ("import numpy as np; from jserve import cpu_kernels; cpu_kernels.load(); "
-             "assert np.float32(1e-40) * np.float32(2) != 0, 'subnormals flushed to zero'")  # fmt: skip
+    check = (
+        "import numpy as np; from jserve import cpu_kernels; cpu_kernels.load(); "
+        "assert np.float32(1e-40) * np.float32(2) != 0, 'subnormals flushed to zero'"
+    )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

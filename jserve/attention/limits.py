@@ -96,8 +96,10 @@ def _fit_triton(name: str, page_size: int, head_dim: int) -> str:
 
     if gpu.supports(page_size=page_size, head_dim=head_dim):
         return name
-    problem = (f"the Triton attention kernel needs {gpu.SHAPE_REQUIREMENT}; page_size is {page_size} and the "
-               f"model's head_dim {head_dim}")  # fmt: skip
+    problem = (
+        f"the Triton attention kernel needs {gpu.SHAPE_REQUIREMENT}; page_size is {page_size} and the "
+        f"model's head_dim {head_dim}"
+    )
     smaller_page = 1 << (page_size.bit_length() - 1)
     if gpu.supports(page_size=smaller_page, head_dim=head_dim):
         raise ValueError(f"{problem}: page_size {smaller_page} fits")
