@@ -188,11 +188,19 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--static", action="store_true", help="also run static batching")
     parser.add_argument("--sync", action="store_true", help="also run with async scheduling off")
-    parser.add_argument("--compare-attention", choices=ATTENTION_BACKENDS, default=None, metavar="BACKEND",
-                        help="also run an engine on this attention backend (continuous), alternating")  # fmt: skip
-    parser.add_argument("--compare-xla-int8-dot", action="store_true",
-                        help="with --quantization int8: also run an engine whose projections use XLA's "
-                             "quantize-and-int8-dot ops instead of the C++ kernel, alternating")  # fmt: skip
+    parser.add_argument(
+        "--compare-attention",
+        choices=ATTENTION_BACKENDS,
+        default=None,
+        metavar="BACKEND",
+        help="also run an engine on this attention backend (continuous), alternating",
+    )
+    parser.add_argument(
+        "--compare-xla-int8-dot",
+        action="store_true",
+        help="with --quantization int8: also run an engine whose projections use XLA's "
+        "quantize-and-int8-dot ops instead of the C++ kernel, alternating",
+    )
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each jserve mode, alternated; medians")

@@ -126,8 +126,11 @@ def test_penalised_output_does_not_depend_on_plain_neighbours_or_slot_reuse(llm)
 
 
 def test_n_completions(llm):
-    out = llm.generate([prompts(1, seed=8)[0]], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5,
-                                                              ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    out = llm.generate(
+        [prompts(1, seed=8)[0]],
+        SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
