@@ -46,8 +46,9 @@ def make_batch(args, new_tokens: int):
     tokens = args.seqs * new_tokens
     batch = build_model_input(chunks, args.page_size, tokens, args.seqs, pages_per_seq)
     key = jax.random.key(0)
-    pages = KVPages(*(jax.random.normal(k, (num_pages, args.page_size, kv_heads, dim), dtype)
-                      for k in jax.random.split(key)))  # fmt: skip
+    pages = KVPages(
+        *(jax.random.normal(k, (num_pages, args.page_size, kv_heads, dim), dtype) for k in jax.random.split(key))
+    )
     new_kv = jax.random.normal(key, (2, tokens, kv_heads, dim), dtype)
     q = jax.random.normal(key, (tokens, heads, dim), dtype)
     return q, new_kv, pages, jax.device_put(batch.attention)
@@ -88,8 +89,10 @@ def main() -> None:
     args = parser.parse_args()
     heads, kv_heads, dim = SHAPES[args.shape]
     itemsize = jnp.dtype(args.dtype).itemsize
-    print(f"device: {jax.devices()[0].device_kind}; {args.shape} layer ({heads} q / {kv_heads} kv heads, d={dim}), "
-          f"{args.dtype}, {args.seqs} seqs x {args.context} context, page {args.page_size}")  # fmt: skip
+    print(
+        f"device: {jax.devices()[0].device_kind}; {args.shape} layer ({heads} q / {kv_heads} kv heads, d={dim}), "
+        f"{args.dtype}, {args.seqs} seqs x {args.context} context, page {args.page_size}"
+    )
 
     decode = make_batch(args, 1)
     prefill = make_batch(args, args.chunk)
@@ -106,8 +109,10 @@ def main() -> None:
         d = time_backend(backend, *decode, args.repeats)
         p = time_backend(backend, *prefill, args.repeats)
         results[name] = (d, p)
-        print(f"{name:>9} ({backend.kernel}): decode {d * 1e6:8.1f} us = {kv_bytes / d / 1e9:7.1f} GB/s of KV | "
-              f"prefill {p * 1e3:7.2f} ms = {flops / p / 1e12:6.2f} TFLOP/s")  # fmt: skip
+        print(
+            f"{name:>9} ({backend.kernel}): decode {d * 1e6:8.1f} us = {kv_bytes / d / 1e9:7.1f} GB/s of KV | "
+            f"prefill {p * 1e3:7.2f} ms = {flops / p / 1e12:6.2f} TFLOP/s"
+        )
     if "reference" in results:
         rd, rp = results["reference"]
         for name, (d, p) in results.items():

@@ -28,7 +28,6 @@ from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.args import DTYPES, KV_CACHE_DTYPES
 from jserve.loader.default_model import default_model_path
 from jserve.loader.random_weights import MODEL_SHAPES
-from jserve.models import quantization
 from jserve.models.quantization import QUANTIZATIONS
 
 
@@ -189,11 +188,19 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--static", action="store_true", help="also run static batching")
     parser.add_argument("--sync", action="store_true", help="also run with async scheduling off")
-    parser.add_argument("--compare-attention", choices=ATTENTION_BACKENDS, default=None, metavar="BACKEND",
-                        help="also run an engine on this attention backend (continuous), alternating")  # fmt: skip
-    parser.add_argument("--compare-xla-int8-dot", action="store_true",
-                        help="with --quantization int8: also run an engine whose projections use XLA's "
-                             "quantize-and-int8-dot ops instead of the C++ kernel, alternating")  # fmt: skip
+    parser.add_argument(
+        "--compare-attention",
+        choices=ATTENTION_BACKENDS,
+        default=None,
+        metavar="BACKEND",
+        help="also run an engine on this attention backend (continuous), alternating",
+    )
+    parser.add_argument(
+        "--compare-xla-int8-dot",
+        action="store_true",
+        help="with --quantization int8: also run an engine whose projections use XLA's "
+        "quantize-and-int8-dot ops instead of the C++ kernel, alternating",
+    )
     parser.add_argument("--baseline", choices=["hf"], default=None)
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests the sequential baseline runs")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each jserve mode, alternated; medians")
@@ -206,19 +213,17 @@ def main() -> None:
         parser.error("--baseline needs a real checkpoint, not --random-weights")
     model = f"random:{args.random_weights}" if args.random_weights else args.model
 
-    def engine(attention_backend: str, int8_kernel: bool = True) -> LLM:
+    def engine(attention_backend: str, cpu_int8_kernel: bool = True) -> LLM:
         start = time.perf_counter()
-        default, quantization.CPU_KERNEL = quantization.CPU_KERNEL, int8_kernel
-        jax.clear_caches()  # the step is traced afresh, with this engine's matmul choice
-        try:
-            llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                      max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-                      attention_backend=attention_backend, quantization=args.quantization,
-                      kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
-        finally:
-            quantization.CPU_KERNEL = default
-        print(f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
-              f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s")  # fmt: skip
+        jax.clear_caches()  # each engine traces its step afresh, as the first did: start-up times compare
+        llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+                  attention_backend=attention_backend, quantization=args.quantization,
+                  cpu_int8_kernel=cpu_int8_kernel, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+        print(
+            f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
+            f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s"
+        )
         llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs
         return llm
 
@@ -230,22 +235,26 @@ def main() -> None:
         label = lambda e: f" [{e.engine.runner.attention.kernel}]"  # noqa: E731
         modes = [(e, {**mode, "label": label(e)}) for e, mode in modes] + [(other, {"label": label(other)})]
     if args.compare_xla_int8_dot:
-        other = engine(args.attention_backend, int8_kernel=False)
+        other = engine(args.attention_backend, cpu_int8_kernel=False)
         modes.append((other, {"label": " [xla int8 dot]"}))
     results = []
     for repeat in range(args.repeats):  # alternate the modes so drifting machine load hits both alike
         results += [run_jserve(e, work, **mode) for e, mode in modes]
         if args.repeats > 1:
-            print(f"repeat {repeat + 1}/{args.repeats}:", *(f"{r.name} {r.output_tokens / r.seconds:.1f} tok/s"
-                                                           for r in results[-len(modes) :]))  # fmt: skip
+            print(
+                f"repeat {repeat + 1}/{args.repeats}:",
+                *(f"{r.name} {r.output_tokens / r.seconds:.1f} tok/s" for r in results[-len(modes) :]),
+            )
     results = [median_result([r for r in results if r.name == name]) for name in dict.fromkeys(r.name for r in results)]
     if args.baseline == "hf":
         model_path = default_model_path() if args.model is None else Path(args.model)
         results.append(run_hf(model_path, work, args.baseline_requests))
-    print(f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
-          f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, {llm.engine.model.dtype.name}"
-          f"{' int8' if args.quantization == 'int8' else ''}, "
-          f"attention {llm.engine.runner.attention.kernel}, {jax.devices()[0].device_kind}")  # fmt: skip
+    print(
+        f"{args.num_requests} requests, input {args.input_len[0]}-{args.input_len[1]}, "
+        f"output {args.output_len[0]}-{args.output_len[1]} tokens, ignore_eos, {llm.engine.model.dtype.name}"
+        f"{' int8' if args.quantization == 'int8' else ''}, "
+        f"attention {llm.engine.runner.attention.kernel}, {jax.devices()[0].device_kind}"
+    )
     report(results)
 
 

@@ -74,18 +74,25 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=120)
 
-    print(f"\n{args.input_len[0]}-{args.input_len[1]} prompt + {args.output_len[0]}-{args.output_len[1]} output "
-          f"tokens, medians of {args.repeats} alternating runs")  # fmt: skip
-    print(f"{'server':<14} {'conc':>4} {'reqs':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'ITL p50':>8} {'ITL p99':>8}  jserve/peer")  # fmt: skip
+    print(
+        f"\n{args.input_len[0]}-{args.input_len[1]} prompt + {args.output_len[0]}-{args.output_len[1]} output "
+        f"tokens, medians of {args.repeats} alternating runs"
+    )
+    print(
+        f"{'server':<14} {'conc':>4} {'reqs':>4} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8}  jserve/peer"
+    )
     for concurrency in args.concurrency:
-        medians = {name: {m: float(np.median([r[m] for r in runs[name, concurrency]])) for m in METRICS}
-                   for name in servers}  # fmt: skip
+        medians = {
+            name: {m: float(np.median([r[m] for r in runs[name, concurrency]])) for m in METRICS} for name in servers
+        }
         ratio = medians["jserve"][METRICS[0]] / medians[args.peer_name][METRICS[0]]
         for name, m in medians.items():
-            print(f"{name:<14} {concurrency:>4} {runs[name, concurrency][0]['successful requests']:>4} "
-                  f"{m[METRICS[0]]:>9.1f} {m[METRICS[1]]:>9.0f} {m[METRICS[2]]:>9.0f} {m[METRICS[3]]:>8.0f} "
-                  f"{m[METRICS[4]]:>8.0f}" + (f"  {ratio:.2f}x" if name == "jserve" else ""))  # fmt: skip
+            print(
+                f"{name:<14} {concurrency:>4} {runs[name, concurrency][0]['successful requests']:>4} "
+                f"{m[METRICS[0]]:>9.1f} {m[METRICS[1]]:>9.0f} {m[METRICS[2]]:>9.0f} {m[METRICS[3]]:>8.0f} "
+                f"{m[METRICS[4]]:>8.0f}" + (f"  {ratio:.2f}x" if name == "jserve" else "")
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{name} c{c}": r for (name, c), r in runs.items()}, f, indent=2)

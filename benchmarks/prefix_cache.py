@@ -74,16 +74,20 @@ def main() -> None:
         results["cache on" if caching else "cache off"] = run(llm, prompts, args.output_len)
         del llm
 
-    print(f"{args.num_groups} groups x {args.prompts_per_group} prompts, system prompt {args.system_prompt_len}, "
-          f"question {args.question_len}, output {args.output_len} tokens")  # fmt: skip
+    print(
+        f"{args.num_groups} groups x {args.prompts_per_group} prompts, system prompt {args.system_prompt_len}, "
+        f"question {args.question_len}, output {args.output_len} tokens"
+    )
     keys = list(results["cache on"])
     print(f"{'':10}" + "".join(f"{k:>15}" for k in keys))
     for name, r in results.items():
         print(f"{name:10}" + "".join(f"{r[k]:>15.2f}" if isinstance(r[k], float) else f"{r[k]:>15}" for k in keys))
     on, off = results["cache on"], results["cache off"]
-    print(f"TTFT p50 off / on: {off['TTFT p50 s'] / on['TTFT p50 s']:.2f}x; "
-          f"output tok/s on / off: {on['out tok/s'] / off['out tok/s']:.2f}x; "
-          f"prompt tokens computed off / on: {off['computed'] / on['computed']:.2f}x")  # fmt: skip
+    print(
+        f"TTFT p50 off / on: {off['TTFT p50 s'] / on['TTFT p50 s']:.2f}x; "
+        f"output tok/s on / off: {on['out tok/s'] / off['out tok/s']:.2f}x; "
+        f"prompt tokens computed off / on: {off['computed'] / on['computed']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

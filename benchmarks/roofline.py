@@ -1,4 +1,4 @@
-"""Decode and prefill speed beside the device's roofline (issue #8's GPU target: >= 80 % of it at batch 1).
+"""Decode and prefill speed beside the device's roofline (the GPU target: >= 80 % of it at batch 1).
 
 Decode at each `--decode-batch` B: B prompts of `--context` tokens are prefilled, then `--decode-steps`
 steps in which all B sequences decode are timed on the wall clock, host work included. Prefill:
@@ -37,14 +37,7 @@ from jserve.config import ModelConfig
 from jserve.engine.args import DTYPES, KV_CACHE_DTYPES
 from jserve.loader import resolve_dtype
 from jserve.loader.weights import leaves_by_name
-from jserve.models.quantization import (
-    QUANTIZATIONS,
-    activation_group,
-    int8_matmul,
-    quantize_rows,
-    tile,
-    tiles_weights,
-)
+from jserve.models.quantization import QUANTIZATIONS, Quantization, int8_matmul, quantize_rows, tile, tiles_weights
 
 # Data-sheet HBM bytes/s and dense bfloat16 FLOP/s, matched in order against jax's device_kind.
 SPECS = (
@@ -149,19 +142,19 @@ def _median_seconds(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def measured_roof(dtype, quantization: str, probe_bytes: int, size: int) -> Roof:
+def measured_roof(dtype, quantization: Quantization, probe_bytes: int, size: int) -> Roof:
     """Bandwidth of a jitted sum over `probe_bytes` of float32; FLOP/s of one [size, size] @ [size, size]
     matmul through the model's own projection path (with int8 weights, the kernel the model runs)."""
     big = jnp.ones(probe_bytes // 4, jnp.float32)
     bandwidth = big.nbytes / _median_seconds(jax.jit(jnp.sum), big)
     del big
     x, w = jax.random.normal(jax.random.key(0), (2, size, size), dtype)
-    if quantization == "none":
-        matmul = jax.jit(lambda x: x @ w.T)
-    else:
+    if quantization.quantized:
         q, scale = quantize_rows(w)
         q = tile(q) if tiles_weights() else q
-        matmul = jax.jit(lambda x: int8_matmul(x, q, scale, group=activation_group(quantization)))
+        matmul = jax.jit(lambda x: int8_matmul(x, q, scale, group=quantization.activation_group))
+    else:
+        matmul = jax.jit(lambda x: x @ w.T)
     flops = 2 * size**3 / _median_seconds(matmul, x)
     return Roof(f"measured (sum over {probe_bytes >> 20} MiB; {size}^3 {quantization} matmul)", bandwidth, flops)
 
@@ -222,8 +215,9 @@ def time_prefill(llm: LLM, seqs: int, context: int, rng) -> Timing:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     seconds = time.perf_counter() - start
     stats = engine.sync_stats()
-    return Timing(seqs * context, seconds, stats.steps - before[0], stats.device_busy_s - before[1],
-                  stats.host_s - before[2])  # fmt: skip
+    return Timing(
+        seqs * context, seconds, stats.steps - before[0], stats.device_busy_s - before[1], stats.host_s - before[2]
+    )
 
 
 def main() -> None:
@@ -239,8 +233,9 @@ def main() -> None:
     parser.add_argument("--prefill-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--probe-mib", type=int, default=None, help="bandwidth probe size (default 4096 on "
-                        "accelerators, 1024 on CPU)")  # fmt: skip
+    parser.add_argument(
+        "--probe-mib", type=int, default=None, help="bandwidth probe size (default 4096 on accelerators, 1024 on CPU)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -248,7 +243,8 @@ def main() -> None:
     on_cpu = device.platform == "cpu"
     probe = (args.probe_mib or (1024 if on_cpu else 4096)) << 20
     # Before the engine: its KV pool takes most of the free device memory.
-    measured = measured_roof(resolve_dtype(args.dtype), args.quantization, probe, 2048 if on_cpu else 8192)
+    quantization = Quantization(args.quantization)
+    measured = measured_roof(resolve_dtype(args.dtype), quantization, probe, 2048 if on_cpu else 8192)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               attention_backend=args.attention_backend, max_num_seqs=max(args.decode_batch),
               max_num_batched_tokens=args.max_num_batched_tokens,
@@ -266,10 +262,12 @@ def main() -> None:
             else:
                 runs[kind, n].append(time_prefill(llm, n, args.context, rng))
 
-    print(f"{device.device_kind}; {args.model or 'default model'}, {llm.engine.model.dtype.name} "
-          f"{args.quantization}, K/V {llm.engine.config.kv_cache_dtype}, attention "
-          f"{llm.engine.runner.attention.kernel}; weights {cost.weight_bytes / 1e9:.2f} GB, "
-          f"K/V {cost.kv_bytes_per_token / 1e3:.1f} kB/token; context {args.context}")  # fmt: skip
+    print(
+        f"{device.device_kind}; {args.model or 'default model'}, {llm.engine.model.dtype.name} "
+        f"{args.quantization}, K/V {llm.engine.config.kv_cache_dtype}, attention "
+        f"{llm.engine.runner.attention.kernel}; weights {cost.weight_bytes / 1e9:.2f} GB, "
+        f"K/V {cost.kv_bytes_per_token / 1e3:.1f} kB/token; context {args.context}"
+    )
     for roof in roofs:
         print(f"roofline from {roof.source}: {roof.bytes_per_s / 1e9:.0f} GB/s, {roof.flops_per_s / 1e12:.1f} TFLOP/s")
     header = f"{'phase':16} {'tok/s':>9} {'ms/step':>8} {'device ms':>9} {'host ms':>8}"
@@ -282,8 +280,10 @@ def main() -> None:
         else:
             work, work_tokens = cost.prefill(n, args.context, timing.steps, args.max_num_batched_tokens), timing.tokens
         rate = timing.tokens / timing.seconds
-        line = (f"{kind + ' ' + str(n):16} {rate:9.1f} {1000 * timing.seconds / steps:8.2f} "
-                f"{1000 * timing.device_s / steps:9.2f} {1000 * timing.host_s / steps:8.2f}")  # fmt: skip
+        line = (
+            f"{kind + ' ' + str(n):16} {rate:9.1f} {1000 * timing.seconds / steps:8.2f} "
+            f"{1000 * timing.device_s / steps:9.2f} {1000 * timing.host_s / steps:8.2f}"
+        )
         for roof in roofs:
             seconds, bound = work.bound(roof)
             best = work_tokens / seconds

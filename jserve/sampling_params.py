@@ -92,8 +92,9 @@ class SamplingParams:
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raises RequestError if top_k exceeds the vocabulary or a stop_token_ids / logit_bias id is outside it."""
         if self.top_k > vocab_size:
-            raise RequestError(f"top_k must be -1, 0 or at most the vocabulary size ({vocab_size}), got {self.top_k}",
-                               "top_k")  # fmt: skip
+            raise RequestError(
+                f"top_k must be -1, 0 or at most the vocabulary size ({vocab_size}), got {self.top_k}", "top_k"
+            )
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
             bad = [i for i in ids if i >= vocab_size]
             if bad:
@@ -115,8 +116,9 @@ def _integer(name: str, value: object, low: int | None = None, high: int | None 
     return int(value)
 
 
-def _real(name: str, value: object, low: float, high: float | None = None, low_open: bool = False,
-          param: str | None = None) -> float:  # fmt: skip
+def _real(
+    name: str, value: object, low: float, high: float | None = None, low_open: bool = False, param: str | None = None
+) -> float:
     """`name` is what the message calls the value; `param` (default: `name`) the field it came in."""
     param = param or name
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value):
@@ -150,8 +152,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
         raise RequestError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(strings)}", "stop")
     longest = max(map(len, strings), default=0)
     if longest > MAX_STOP_LENGTH:
-        raise RequestError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest}",
-                           "stop")  # fmt: skip
+        raise RequestError(f"stop strings must be at most {MAX_STOP_LENGTH} characters, got one of {longest}", "stop")
     return tuple(strings)
 
 

@@ -43,8 +43,9 @@ class AttentionCase:
 
     def reference(self) -> jax.Array:
         pages = KVPages(self.k_pages, self.v_pages)
-        return paged_attention(self.q, pages, self.meta, scale=self.scale, sliding_window=self.sliding_window,
-                               soft_cap=self.soft_cap)  # fmt: skip
+        return paged_attention(
+            self.q, pages, self.meta, scale=self.scale, sliding_window=self.sliding_window, soft_cap=self.soft_cap
+        )
 
 
 def make_case(

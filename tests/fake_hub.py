@@ -125,10 +125,14 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                         "siblings": siblings}  # fmt: skip
             else:
                 folders = sorted({p.rsplit("/", 1)[0] for p in files if "/" in p})
-                data = [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
-                        for d in folders]  # fmt: skip
-                data += [{"type": "file", "oid": hashlib.sha1(b).hexdigest(), "size": len(b), "path": p}
-                         for p, b in files.items()]  # fmt: skip
+                data = [
+                    {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+                    for d in folders
+                ]
+                data += [
+                    {"type": "file", "oid": hashlib.sha1(b).hexdigest(), "size": len(b), "path": p}
+                    for p, b in files.items()
+                ]
             self.send(200, json.dumps(data).encode(), {"Content-Type": "application/json"})
 
         def resolve(self, repo_id: str, revision: str, name: str, body: bool) -> None:

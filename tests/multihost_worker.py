@@ -22,8 +22,9 @@ def main() -> None:
     args = parser.parse_args()
     DistributedArgs.from_cli_args(args).initialize()
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
-    outputs = llm.generate(json.loads(args.prompts), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                           use_tqdm=False)  # fmt: skip
+    outputs = llm.generate(
+        json.loads(args.prompts), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
     llm.close()
     # On a line of its own: gloo prints to stdout too.
     print("\n" + json.dumps({"tokens": [o.outputs[0].token_ids for o in outputs],

@@ -40,9 +40,9 @@ def main() -> None:
             max_model_len=256,
             max_num_seqs=8,
             max_num_batched_tokens=64,
-            kv_cache_memory=(48 << 20) // tp,
+            kv_cache_memory=(48 << 20) // tp,  # per device: the same pages at every size
             quantization=quantization,
-        )  # fmt: skip  (per device: same pages)
+        )
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         results[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],

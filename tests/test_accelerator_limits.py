@@ -132,8 +132,9 @@ def test_the_workspace_bound_covers_every_compiled_steps_scratch(tiny_llama_chec
     runner, config = llm.engine.runner, llm.engine.runner.config
     for bucket, executable in runner.executables.items():
         scratch = executable.memory_analysis().temp_size_in_bytes
-        bound = step_workspace_bytes(runner.model.config, config.page_size, bucket, config.seq_bucket(bucket),
-                                     config.max_num_seqs)  # fmt: skip
+        bound = step_workspace_bytes(
+            runner.model.config, config.page_size, bucket, config.seq_bucket(bucket), config.max_num_seqs
+        )
         assert scratch <= bound, (bucket, scratch, bound)
 
 

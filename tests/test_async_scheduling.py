@@ -40,8 +40,10 @@ def summary(outputs):
         ]
         for o in outputs
     ]
-    ranks = [[[(tid, lp.rank) for entry in c.logprobs or [] for tid, lp in entry.items()] for c in o.outputs]
-             for o in outputs]  # fmt: skip
+    ranks = [
+        [[(tid, lp.rank) for entry in c.logprobs or [] for tid, lp in entry.items()] for c in o.outputs]
+        for o in outputs
+    ]
     return exact, ranks, logprobs
 
 

@@ -147,8 +147,9 @@ def test_load_config_refuses_an_unknown_key_or_a_bad_value(tmp_path):
 
 
 LLAMA_8B = MODEL_SHAPES["llama3-8b"]
-LLAMA_70B = dataclasses.replace(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
-                                sliding_windows=(None,) * 80)  # fmt: skip
+LLAMA_70B = dataclasses.replace(
+    LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, sliding_windows=(None,) * 80
+)
 H100_ALLOCATOR = 0.75 * 80 * GiB  # JAX's GPU allocator takes 75 % of the memory by default
 V5E_HBM = 15.75 * GiB  # of a v5e chip's 16 GiB, what the TPU runtime leaves
 

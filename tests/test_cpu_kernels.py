@@ -11,6 +11,7 @@ import pytest
 from jserve import cpu_kernels
 from jserve.attention import KVPages
 from jserve.attention.reference import write_kv
+from jserve.loader import load_model
 from jserve.models import fused, quantization
 
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
@@ -86,8 +87,9 @@ def test_zeros_are_zero_even_in_reused_memory():
         assert all(z.shape == shape and z.dtype == jnp.float32 and not np.asarray(z).any() for z in zeros)
 
 
-needs_int8_kernel = pytest.mark.skipif(not cpu_kernels.int8_linear_available(),
-                                       reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler")  # fmt: skip
+needs_int8_kernel = pytest.mark.skipif(
+    not cpu_kernels.int8_linear_available(), reason="the int8 kernel needs AVX-512 VNNI and a C++ compiler"
+)
 
 
 def int8_case(tokens, outputs, depth, seed=0):
@@ -221,15 +223,16 @@ def test_a_fused_projection_gives_each_piece_its_own_output(shards):
 
 
 @needs_int8_kernel
-def test_int8_projections_take_the_kernel_on_a_cpu(monkeypatch):
-    """Tiles go to the kernel and rows to XLA's ops; the loader tiles unless CPU_KERNEL is off."""
+def test_int8_projections_take_the_kernel_on_a_cpu(tiny_llama_checkpoint):
+    """Tiles go to the kernel and rows to XLA's ops; the loader tiles unless cpu_int8_kernel is off."""
     q, scale = quantization.quantize_rows(np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32))
     x = jnp.ones((3, 5, 32), jnp.float32)
     lowered = lambda q: jax.jit(lambda x: quantization.int8_matmul(x, q, scale)).lower(x).as_text()  # noqa: E731
     assert "jserve_int8_linear" in lowered(quantization.tile(q)) and "jserve_int8_linear" not in lowered(q)
-    assert quantization.tiles_weights()
-    monkeypatch.setattr(quantization, "CPU_KERNEL", False)
-    assert not quantization.tiles_weights()
+    assert quantization.tiles_weights() and not quantization.tiles_weights(cpu_kernel=False)
+    for cpu_int8_kernel, ndim in ((True, 4), (False, 2)):
+        loaded = load_model(tiny_llama_checkpoint[0], "float32", quantization="int8", cpu_int8_kernel=cpu_int8_kernel)
+        assert {leaf.ndim for leaf in jax.tree.leaves(loaded.params) if leaf.dtype == np.int8} == {ndim}
 
 
 def test_library_is_built_once_per_source(tmp_path, monkeypatch):
@@ -252,7 +255,9 @@ def test_loading_the_kernels_leaves_the_process_floating_point_alone():
     import subprocess
     import sys
 
-    check = ("import numpy as np; from jserve import cpu_kernels; cpu_kernels.load(); "
-             "assert np.float32(1e-40) * np.float32(2) != 0, 'subnormals flushed to zero'")  # fmt: skip
+    check = (
+        "import numpy as np; from jserve import cpu_kernels; cpu_kernels.load(); "
+        "assert np.float32(1e-40) * np.float32(2) != 0, 'subnormals flushed to zero'"
+    )
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

@@ -113,21 +113,24 @@ def test_penalised_output_does_not_depend_on_plain_neighbours_or_slot_reuse(llm)
     # Only requests with penalties record their history on device; a plain request that had their slot
     # before, or runs beside them, must not change what the penalties see.
     probe = prompts(1, seed=12)[0]
-    penalised = SamplingParams(temperature=0, repetition_penalty=1.5, frequency_penalty=0.7, max_tokens=24,
-                               ignore_eos=True)  # fmt: skip
+    penalised = SamplingParams(
+        temperature=0, repetition_penalty=1.5, frequency_penalty=0.7, max_tokens=24, ignore_eos=True
+    )
     alone = token_ids(llm.generate([probe], penalised, use_tqdm=False))[0]
     assert alone != token_ids(llm.generate([probe], GREEDY, use_tqdm=False))[0]  # the penalties matter
     plain = prompts(7, seed=13)
     llm.generate(plain, GREEDY, use_tqdm=False)  # plain requests take every slot, recording nothing
-    outputs = llm.generate(plain[:3] + [probe] + plain[3:], [GREEDY] * 3 + [penalised] + [GREEDY] * 4,
-                           use_tqdm=False)  # fmt: skip
+    outputs = llm.generate(plain[:3] + [probe] + plain[3:], [GREEDY] * 3 + [penalised] + [GREEDY] * 4, use_tqdm=False)
     assert outputs[3].outputs[0].token_ids == alone
     assert token_ids(llm.generate([probe], penalised, use_tqdm=False))[0] == alone
 
 
 def test_n_completions(llm):
-    out = llm.generate([prompts(1, seed=8)[0]], SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5,
-                                                              ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    out = llm.generate(
+        [prompts(1, seed=8)[0]],
+        SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -158,8 +161,9 @@ def test_max_tokens_and_eos(llm):
     # Make the 5th generated token a stop token: generation ends there, the token is kept.
     stop_at = free_run.token_ids[4]
     first = free_run.token_ids.index(stop_at)
-    stopped = llm.generate([probe], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]),
-                           use_tqdm=False)[0].outputs[0]  # fmt: skip
+    stopped = llm.generate(
+        [probe], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_at]), use_tqdm=False
+    )[0].outputs[0]
     assert stopped.token_ids == free_run.token_ids[: first + 1]
     assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop_at)
 

@@ -274,8 +274,7 @@ def run_cli(hub, cache, tmp_path, *args):
     """`jserve` in a process of its own, started with HF_ENDPOINT set: huggingface_hub reads it as users' do."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE")}
     env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "hf-home"))
-    return subprocess.run([sys.executable, "-m", "jserve", *args], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "jserve", *args], env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_cli_generate_downloads_a_revision(hub, cache, tmp_path):

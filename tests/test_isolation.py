@@ -14,8 +14,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def tiny_llm(folder, **overrides) -> LLM:
-    settings = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                    kv_cache_memory=tiny_kv_bytes(64))  # fmt: skip
+    settings = dict(
+        dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=tiny_kv_bytes(64)
+    )
     return LLM(folder, **settings | overrides)
 
 
@@ -116,8 +117,9 @@ def test_a_fault_in_one_request_fails_it_alone(llm, solo, monkeypatch, stage):
     else:
         _fail_output_for_seed(monkeypatch, llm, seed=666)
     faulty = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, seed=666)
-    outputs = llm.generate([prompt(0), prompt(1), prompt(2), prompt(3)], [GREEDY, faulty, GREEDY, GREEDY],
-                           use_tqdm=False)  # fmt: skip
+    outputs = llm.generate(
+        [prompt(0), prompt(1), prompt(2), prompt(3)], [GREEDY, faulty, GREEDY, GREEDY], use_tqdm=False
+    )
     assert outputs[1].outputs[0].finish_reason == "error"
     for seed in (0, 2, 3):
         assert outputs[seed].outputs[0].token_ids == solo[seed]

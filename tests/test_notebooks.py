@@ -1,4 +1,4 @@
-"""The notebooks in notebooks/ (issue #9) run top to bottom on CPU, headless, and are committed without outputs.
+"""The notebooks in notebooks/ run top to bottom on CPU, headless, and are committed without outputs.
 
 Each notebook runs in a fresh IPython kernel (nbclient), with notebooks/ as its working directory. A failing
 cell fails the test with that cell's source and traceback; the executed notebook is kept in the test's

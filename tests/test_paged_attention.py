@@ -63,8 +63,9 @@ def test_paged_attention_matches_dense(batch, page_size, heads, kv_heads, window
         histories.append((k_hist, v_hist))
         queries.append(rng.normal(size=(new, heads, dim)).astype(np.float32))
     num_tokens = sum(n for n, _ in sequences) + pad_tokens
-    meta = jax.tree.map(jnp.asarray, build_model_input(chunks, page_size, num_tokens, len(sequences) + pad_seqs,
-                                                       max_pages=32).attention)  # fmt: skip
+    meta = jax.tree.map(
+        jnp.asarray, build_model_input(chunks, page_size, num_tokens, len(sequences) + pad_seqs, max_pages=32).attention
+    )
     q = np.zeros((num_tokens, heads, dim), np.float32)
     q[: sum(len(x) for x in queries)] = np.concatenate(queries)
     new_k = np.zeros((num_tokens, kv_heads, dim), np.float32)

@@ -22,7 +22,7 @@ CASES = {
     "prefill-p32-d64-gqa8": dict(batch="prefill", page_size=32, head_dim=64, heads=8, kv_heads=1),
     "prefill-p64-d64-gqa1-bf16": dict(
         batch="prefill", page_size=64, head_dim=64, heads=2, kv_heads=2, dtype="bfloat16"
-    ),  # fmt: skip
+    ),
     "mixed-p16-d64-gqa4": dict(batch="mixed", page_size=16, head_dim=64, heads=8, kv_heads=2),
     "mixed-p32-d128-gqa3-bf16": dict(batch="mixed", page_size=32, head_dim=128, heads=3, kv_heads=1, dtype="bfloat16"),
     "mixed-p64-d64-gqa1": dict(batch="mixed", page_size=64, head_dim=64, heads=2, kv_heads=2),

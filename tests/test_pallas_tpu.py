@@ -74,8 +74,9 @@ def test_double_buffering_has_no_dma_races():
 
     case = make_case(MIXED, sliding_window=20)
     with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(detect_races=True)):
-        ragged_paged_attention(*case.kernel_args(), scale=case.scale, sliding_window=20, block_q=QUERIES_PER_BLOCK,
-                               pages_per_block=2).block_until_ready()  # fmt: skip
+        ragged_paged_attention(
+            *case.kernel_args(), scale=case.scale, sliding_window=20, block_q=QUERIES_PER_BLOCK, pages_per_block=2
+        ).block_until_ready()
     assert not interpret_pallas_call.races.races_found
 
 

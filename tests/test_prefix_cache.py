@@ -99,9 +99,10 @@ def test_n_siblings_prefill_the_prompt_once(cached):
 
 def test_sampling_with_and_without_penalties_matches(plain, cached):
     batch = with_system(4, seed=9)
-    for params in (SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True),
-                   SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=16,
-                                  ignore_eos=True)):  # fmt: skip
+    for params in (
+        SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=16, ignore_eos=True),
+    ):
         expected = token_ids(plain.generate(batch, params, use_tqdm=False))
         cached.generate(batch, params, use_tqdm=False)  # warm the cache with these prompts
         assert token_ids(cached.generate(batch, params, use_tqdm=False)) == expected

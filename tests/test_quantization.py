@@ -67,8 +67,9 @@ def test_int8_model_is_the_float_model_with_int8_rounded_weights(tmp_path, varia
             scale = quantized[name + "_scale"]
             q = rows_of(q, jnp.arange(scale.shape[0]), rounded[name].shape[1])
             rounded[name] = q.astype(np.float32) * scale[:, None]
-    as_rounded = dataclasses.replace(full, params=jax.tree_util.tree_map_with_path(
-        lambda path, _: rounded[param_name(path)], full.params))  # fmt: skip
+    as_rounded = dataclasses.replace(
+        full, params=jax.tree_util.tree_map_with_path(lambda path, _: rounded[param_name(path)], full.params)
+    )
     ids = prompts(1, seed=3, low=30, high=31)[0]
     got, expected = jserve_prompt_logits(int8, ids), jserve_prompt_logits(as_rounded, ids)
     np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max(), rtol=0)

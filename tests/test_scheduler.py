@@ -154,8 +154,7 @@ def test_cached_pages_are_evicted_before_anyone_is_preempted():
     run_step(scheduler)
     finish_all(scheduler)
     assert scheduler.kv.cache.num_pages == 4 and scheduler.pool.num_free == 2
-    scheduler.add(Request("other", list(range(50, 66)), SamplingParams(), seed=0, arrival_index=1,
-                          max_model_len=256))  # fmt: skip
+    scheduler.add(Request("other", list(range(50, 66)), SamplingParams(), seed=0, arrival_index=1, max_model_len=256))
     out = scheduler.schedule()  # needs 4 pages: 2 free + 2 evicted
     assert not out.preempted and out.sequences[0].num_tokens == 16
     assert scheduler.kv.cache.num_pages == 2
@@ -167,8 +166,7 @@ def test_lpm_admits_the_longest_cached_prefix_first():
     scheduler.add(make_request(12, 0))
     run_step(scheduler)
     finish_all(scheduler)
-    scheduler.add(Request("cold", list(range(90, 102)), SamplingParams(), seed=0, arrival_index=1,
-                          max_model_len=256))  # fmt: skip
+    scheduler.add(Request("cold", list(range(90, 102)), SamplingParams(), seed=0, arrival_index=1, max_model_len=256))
     scheduler.add(make_request(12, 2))  # arrives later, but shares two cached pages
     assert run_step(scheduler)[0][0] == "2"
 
@@ -202,8 +200,9 @@ def test_penalised_requests_compute_their_whole_history():
     scheduler.add(make_request(12, 0))
     run_step(scheduler)
     finish_all(scheduler)
-    request = Request("p", list(range(1, 13)), SamplingParams(repetition_penalty=1.2), seed=0, arrival_index=1,
-                      max_model_len=256)  # fmt: skip
+    request = Request(
+        "p", list(range(1, 13)), SamplingParams(repetition_penalty=1.2), seed=0, arrival_index=1, max_model_len=256
+    )
     scheduler.add(request)
     assert run_step(scheduler) == [("p", 0, 12)]
     check(scheduler)

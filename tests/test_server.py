@@ -75,8 +75,9 @@ def test_models_health_version(server, client):
 def test_greedy_completion_matches_transformers(server, client, tiny_llama_checkpoint):
     ids = prompt_ids(0)
     expected = reference_greedy(tiny_llama_checkpoint[1], ids, 16)
-    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0, logprobs=0,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=16, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "length"
     tokenizer = server.engine.info.tokenizer
@@ -87,8 +88,9 @@ def test_greedy_completion_matches_transformers(server, client, tiny_llama_check
 
 
 def test_streamed_completion_equals_the_whole_one(client):
-    kwargs = dict(model=MODEL, prompt=["hello there", "a b c"], max_tokens=20, temperature=0,
-                  extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL, prompt=["hello there", "a b c"], max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
     whole = client.completions.create(**kwargs)
     texts, finishes = {0: "", 1: ""}, {}
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
@@ -132,8 +134,9 @@ def test_chat_stream_starts_with_the_role_and_matches_the_whole_reply(client):
 
 
 def test_n_and_seed(client):
-    kwargs = dict(model=MODEL, prompt="seeded", max_tokens=10, temperature=1.0, n=3, seed=7,
-                  extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL, prompt="seeded", max_tokens=10, temperature=1.0, n=3, seed=7, extra_body={"ignore_eos": True}
+    )
     first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
@@ -143,8 +146,9 @@ def test_n_and_seed(client):
 
 
 def test_logprobs(client):
-    out = client.completions.create(model=MODEL, prompt="x y", max_tokens=6, temperature=0, logprobs=3,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt="x y", max_tokens=6, temperature=0, logprobs=3, extra_body={"ignore_eos": True}
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -205,8 +209,9 @@ def test_tokenize_detokenize(server):
 def test_64_concurrent_streams(server):
     async def one(aclient, i):
         ids, max_tokens = prompt_ids(i, 5 + i % 20), 8 + i % 9
-        stream = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=ids, max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         finishes = [c.choices[0].finish_reason async for c in stream if c.choices]
         return finishes
 
@@ -280,8 +285,9 @@ def test_the_engine_keeps_serving_after_errors(server, client, tiny_llama_checkp
     with pytest.raises(openai.BadRequestError):
         # The engine takes the first prompt, refuses the second, and withdraws the first.
         client.completions.create(model=MODEL, prompt=[[5, 6, 7], [VOCAB_SIZE + 1]], max_tokens=3)
-    out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     expected = reference_greedy(tiny_llama_checkpoint[1], [5, 6, 7], 3)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
     assert out.choices[0].text == server.engine.info.tokenizer.decode(expected)
@@ -435,8 +441,9 @@ def test_cached_tokens_are_reported_per_salt(small_server):
 def test_full_queue_gets_429(small_server):
     async def one(client, i):
         try:
-            out = await client.completions.create(model=MODEL, prompt=prompt_ids(i), max_tokens=40,
-                                                  extra_body={"ignore_eos": True})  # fmt: skip
+            out = await client.completions.create(
+                model=MODEL, prompt=prompt_ids(i), max_tokens=40, extra_body={"ignore_eos": True}
+            )
             return out.usage.completion_tokens
         except openai.RateLimitError:
             return "429"

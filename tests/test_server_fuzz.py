@@ -88,8 +88,9 @@ def sometimes_hostile(plausible):
 ROLES = ["system", "developer", "user", "assistant"]
 CLIENT_MESSAGES = st.lists(
     st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": TEXT}, optional={"name": TEXT}),
-    min_size=1, max_size=3,
-)  # fmt: skip
+    min_size=1,
+    max_size=3,
+)
 ODD_MESSAGES = st.lists(
     st.fixed_dictionaries(
         {"role": sometimes_hostile(st.sampled_from([*ROLES, "tool", "wizard"])),
@@ -148,8 +149,9 @@ def test_hostile_bodies_never_get_a_5xx_or_hang(server):
     with httpx.Client(base_url=server.base_url, timeout=REQUEST_TIMEOUT_S) as client:  # one keep-alive pool
         before = greedy(server, client)
 
-        @settings(max_examples=BODIES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=BODIES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
         @given(st.integers(0, 4).flatmap(lambda kind: RAW_BODIES if kind == 0 else json_bodies()))
         def answer(request):
             path, content = request

@@ -92,16 +92,18 @@ def test_post_bodies_must_be_declared_json(server, content_type):
 def test_wrong_api_keys_of_any_length_get_401(server, given):
     headers = {"Authorization": given.encode()} if given else {}
     body = json.dumps({"model": MODEL, "prompt": "x"}).encode()
-    response = httpx.post(f"{server.base_url}/v1/completions", content=body,
-                          headers={"Content-Type": "application/json"} | headers)  # fmt: skip
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", content=body, headers={"Content-Type": "application/json"} | headers
+    )
     assert_error(response, 401)
 
 
 def test_tokenize_reads_booleans_strictly(server):
     for flag in (True, False):
         assert post(server, "/tokenize", {"prompt": "hello", "add_special_tokens": flag}).status_code == 200
-    assert_error(post(server, "/tokenize", {"prompt": "hello", "add_special_tokens": "false"}), 400,
-                 "add_special_tokens")  # fmt: skip
+    assert_error(
+        post(server, "/tokenize", {"prompt": "hello", "add_special_tokens": "false"}), 400, "add_special_tokens"
+    )
     assert_error(post(server, "/tokenize", {"prompt": "x", "nonsense": 1}), 400, "nonsense")
 
 
@@ -113,8 +115,9 @@ def test_user_is_accepted_and_message_names_reach_the_template(server):
     tokens = post(server, "/tokenize", named).json()["tokens"]
     text = post(server, "/detokenize", {"tokens": tokens}).json()["prompt"]
     assert "user alice: hi" in text
-    assert_error(post(server, "/tokenize", {"messages": [{"role": "user", "name": 7, "content": "hi"}]}), 400,
-                 "messages")  # fmt: skip
+    assert_error(
+        post(server, "/tokenize", {"messages": [{"role": "user", "name": 7, "content": "hi"}]}), 400, "messages"
+    )
 
 
 # --- bodies that used to crash handlers ----------------------------------------------------------
@@ -218,9 +221,10 @@ def test_a_request_that_fails_in_the_engine_gets_500_and_the_others_finish(serve
                     "logprobs": 0}  # fmt: skip
             bad = {"model": MODEL, "prompt": prompt_ids(3), "max_tokens": 24, "seed": 666}
             return await asyncio.gather(
-                client.post("/v1/completions", json=good), client.post("/v1/completions", json=bad),
+                client.post("/v1/completions", json=good),
+                client.post("/v1/completions", json=bad),
                 client.post("/v1/completions", json=bad | {"stream": True}),
-            )  # fmt: skip
+            )
 
     good, bad, streamed = asyncio.run(main())
     assert good.status_code == 200 and good.json()["choices"][0]["logprobs"]["tokens"] == expected

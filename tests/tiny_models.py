@@ -38,7 +38,7 @@ VARIANTS = {
                 "original_max_position_embeddings": 64,
             }
         },
-    ),  # fmt: skip
+    ),
     "llama-linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
     "mistral-sliding": ("mistral", {"sliding_window": 12}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),

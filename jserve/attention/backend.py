@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import partial
 
 import jax
@@ -40,11 +41,21 @@ from jserve.parallel import MODEL_AXIS, kv_cache_spec
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "pallas-mosaic-gpu")
 
 
+class Kernel(StrEnum):
+    """The attention implementation a backend name resolves to on a platform."""
+
+    REFERENCE = "reference"
+    CPU = "cpu"
+    PALLAS_GPU = "pallas-gpu"  # lowered through Triton
+    PALLAS_MOSAIC_GPU = "pallas-mosaic-gpu"
+    PALLAS_TPU = "pallas-tpu"
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
     """A hashable attention implementation: it is a static argument of the jitted step."""
 
-    kernel: str = "reference"  # "reference", "cpu", "pallas-gpu", "pallas-mosaic-gpu" or "pallas-tpu"
+    kernel: Kernel = Kernel.REFERENCE
     interpret: bool = False  # run the Pallas kernel in interpret mode (on CPU)
     mesh: Mesh | None = None  # tensor parallelism: each device attends its own heads (shard_map)
     num_cores: int | None = None  # the GPU's SMs, which the GPU kernels size decode splits for (None: an H100's)
@@ -78,9 +89,9 @@ class AttentionBackend:
 def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
     pages = _write_kv(pages, k, v, meta.slot_mapping)
     kernel = _kernel_for(backend.kernel, pages.k)
-    if kernel == "reference":
+    if kernel == Kernel.REFERENCE:
         return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
-    if kernel == "cpu":
+    if kernel == Kernel.CPU:
         attend = cpu_kernels.ragged_paged_attention
     else:
         attend = partial(_pallas_kernels(kernel).ragged_paged_attention, interpret=backend.interpret)
@@ -93,26 +104,26 @@ def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale,
 
 # Imported when first used: each pulls in its Pallas backend.
 PALLAS_MODULES = {
-    "pallas-gpu": "pallas_kernels.gpu",
-    "pallas-mosaic-gpu": "pallas_kernels.mosaic_gpu",
-    "pallas-tpu": "pallas_kernels.tpu",
+    Kernel.PALLAS_GPU: "pallas_kernels.gpu",
+    Kernel.PALLAS_MOSAIC_GPU: "pallas_kernels.mosaic_gpu",
+    Kernel.PALLAS_TPU: "pallas_kernels.tpu",
 }
 
 
-def _pallas_kernels(kernel: str):
+def _pallas_kernels(kernel: Kernel):
     return importlib.import_module(PALLAS_MODULES[kernel])
 
 
-def _kernel_for(kernel: str, pages: jax.Array) -> str:
+def _kernel_for(kernel: Kernel, pages: jax.Array) -> Kernel:
     """The kernel that runs on these pages [P, page_size, kv_heads, head_dim]: one that does not take their
     dtype or shape hands them to the nearest that does."""
     page_size, head_dim = pages.shape[1], pages.shape[-1]
-    if kernel == "cpu" and not cpu_kernels.supports(pages.dtype, head_dim):
-        return "reference"
-    if kernel == "pallas-mosaic-gpu" and not _pallas_kernels(kernel).supports(
+    if kernel == Kernel.CPU and not cpu_kernels.supports(pages.dtype, head_dim):
+        return Kernel.REFERENCE
+    if kernel == Kernel.PALLAS_MOSAIC_GPU and not _pallas_kernels(kernel).supports(
         pages.dtype, page_size=page_size, head_dim=head_dim
     ):
-        return "pallas-gpu"
+        return Kernel.PALLAS_GPU
     return kernel
 
 
@@ -129,7 +140,7 @@ def _cpu_write_kv(pages: KVPages, k, v, slots) -> KVPages:
 
 
 REFERENCE = AttentionBackend()
-CPU = AttentionBackend("cpu")
+CPU = AttentionBackend(Kernel.CPU)
 
 
 def resolve_attention_backend(
@@ -154,10 +165,10 @@ def _backend_for(name: str, platform: str | None) -> AttentionBackend:
     if name == "pallas-mosaic-gpu":
         if platform == "tpu":
             raise ValueError("attention_backend 'pallas-mosaic-gpu' runs on NVIDIA GPUs (and interpreted on CPU)")
-        return AttentionBackend("pallas-mosaic-gpu", interpret=platform == "cpu", num_cores=_gpu_cores(platform))
+        return AttentionBackend(Kernel.PALLAS_MOSAIC_GPU, interpret=platform == "cpu", num_cores=_gpu_cores(platform))
     if platform == "tpu":
-        return AttentionBackend("pallas-tpu")
-    return AttentionBackend("pallas-gpu", interpret=platform == "cpu", num_cores=_gpu_cores(platform))
+        return AttentionBackend(Kernel.PALLAS_TPU)
+    return AttentionBackend(Kernel.PALLAS_GPU, interpret=platform == "cpu", num_cores=_gpu_cores(platform))
 
 
 def _gpu_cores(platform: str) -> int | None:

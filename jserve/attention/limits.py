@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from jserve.attention.backend import resolve_attention_backend
+from jserve.attention.backend import Kernel, resolve_attention_backend
 
 log = logging.getLogger("jserve")
 
@@ -43,15 +43,15 @@ def fit_attention_backend(
     if name == "auto" and platform == "cpu":
         return name  # the CPU kernel or the reference: any shape
     kernel = resolve_attention_backend(name, platform).kernel
-    if kernel == "pallas-tpu":
+    if kernel == Kernel.PALLAS_TPU:
         check_tpu_smem(max_model_len=max_model_len, page_size=page_size, num_tokens=num_tokens,
                        max_num_seqs=max_num_seqs, smem_bytes=smem_bytes)  # fmt: skip
-    if kernel == "pallas-mosaic-gpu":
+    if kernel == Kernel.PALLAS_MOSAIC_GPU:
         from pallas_kernels import mosaic_gpu
 
         if mosaic_gpu.supports(kv_cache_dtype, page_size=page_size, head_dim=head_dim):
             return name
-    if kernel in ("pallas-gpu", "pallas-mosaic-gpu"):
+    if kernel in (Kernel.PALLAS_GPU, Kernel.PALLAS_MOSAIC_GPU):
         return _fit_triton(name, page_size, head_dim)
     return name
 
@@ -96,8 +96,10 @@ def _fit_triton(name: str, page_size: int, head_dim: int) -> str:
 
     if gpu.supports(page_size=page_size, head_dim=head_dim):
         return name
-    problem = (f"the Triton attention kernel needs {gpu.SHAPE_REQUIREMENT}; page_size is {page_size} and the "
-               f"model's head_dim {head_dim}")  # fmt: skip
+    problem = (
+        f"the Triton attention kernel needs {gpu.SHAPE_REQUIREMENT}; page_size is {page_size} and the "
+        f"model's head_dim {head_dim}"
+    )
     smaller_page = 1 << (page_size.bit_length() - 1)
     if gpu.supports(page_size=smaller_page, head_dim=head_dim):
         raise ValueError(f"{problem}: page_size {smaller_page} fits")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import jax
@@ -25,7 +26,6 @@ MIN_TOKEN_BUCKET = 16
 # (docs/benchmarks.md). Buckets 2, 4 and 8 would help a few concurrent decodes, but each bucket adds
 # compile time to every start-up.
 SINGLE_DECODE_BUCKET = 1
-SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")  # only "priority" honours a request's priority
 # On an accelerator the KV cache gets the free memory less the largest step's workspace (step_workspace_bytes)
 # and this share of it, for what no formula sees: allocator fragmentation, cuBLAS/cuDNN workspaces, the
 # compiled executables.
@@ -33,6 +33,17 @@ MEMORY_HEADROOM = 0.05
 # [S, vocab] float32 arrays the sampler holds at once: the logits and the 8 its compiled memory_analysis
 # counts on CPU (biased, penalised and scaled logits, noise, sort keys...), and 2 for a GPU sort's scratch.
 SAMPLER_LOGITS_COPIES = 11
+
+
+class SchedulePolicy(StrEnum):
+    """The admission order of waiting requests."""
+
+    FCFS = "fcfs"  # arrival
+    LPM = "lpm"  # longest cached prefix first
+    PRIORITY = "priority"  # each request's priority, then arrival: the only policy that honours a priority
+
+
+SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)  # the flag's choices, as the user writes them
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ class EngineConfig:
     num_pages: int
     seed: int
     enable_prefix_caching: bool
-    schedule_policy: str  # "fcfs", "lpm" or "priority"
+    schedule_policy: SchedulePolicy
     attention_backend: str  # fitted to the device; "auto" left to jserve.attention.resolve_attention_backend
     async_scheduling: bool
     kv_cache_dtype: str  # the pages' dtype: the model's, or bfloat16 for half the bytes
@@ -171,7 +182,7 @@ def resolve_engine_config(
         num_pages=int(num_pages),
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
-        schedule_policy=args.schedule_policy,
+        schedule_policy=SchedulePolicy(args.schedule_policy),
         attention_backend=attention_backend,
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=kv_cache_dtype,

@@ -1,4 +1,4 @@
-"""The KV page pool: O(1) allocate / free with reference counts, so pages can be shared (prefix cache, #5)."""
+"""The KV page pool: O(1) allocate / free with reference counts, so pages can be shared (the prefix cache)."""
 
 from __future__ import annotations
 

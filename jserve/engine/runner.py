@@ -130,8 +130,10 @@ class ModelRunner:
         if is_leader():
             self.broadcast.send(bucket, step)
         elif (received := self.broadcast.receive()) is None or received[0] != bucket:
-            raise RuntimeError(f"the leader is not warming up bucket {bucket}: do all processes run the same "
-                               "jserve version and engine arguments?")  # fmt: skip
+            raise RuntimeError(
+                f"the leader is not warming up bucket {bucket}: do all processes run the same "
+                "jserve version and engine arguments?"
+            )
 
     def follow(self) -> None:
         """On a follower process: launch every step the leader launches, until it closes."""

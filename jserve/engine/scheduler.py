@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jserve.engine.config import MIN_TOKEN_BUCKET, EngineConfig
+from jserve.engine.config import MIN_TOKEN_BUCKET, EngineConfig, SchedulePolicy
 from jserve.engine.kv_manager import KVManager
 from jserve.engine.page_pool import PagePool
 from jserve.engine.radix_cache import PrefixMatch
@@ -163,7 +163,7 @@ class Scheduler:
     def _admission_order(self) -> list[Request]:
         """FCFS within priority; under lpm (and a short queue), the longest cached prefix first. The lookups
         here only peek: a request looked at but not admitted leaves the cache as it was."""
-        lpm = self.config.schedule_policy == "lpm" and self.config.enable_prefix_caching
+        lpm = self.config.schedule_policy == SchedulePolicy.LPM and self.config.enable_prefix_caching
         if not lpm or len(self.waiting) > LPM_MAX_QUEUE:
             return list(self.waiting)
         matched = {id(r): self.kv.peek(r) for r in self.waiting}

@@ -22,7 +22,7 @@ from jserve.loader.random_weights import random_params, shape_config
 from jserve.loader.resolve import ModelSource, resolve_model
 from jserve.loader.safetensors_source import count_tensors, iter_safetensors, safetensors_files
 from jserve.loader.weights import assemble
-from jserve.models.quantization import QUANTIZATIONS
+from jserve.models.quantization import QUANTIZATIONS, Quantization
 from jserve.parallel import WeightPlacement
 from jserve.tokenizer import Tokenizer
 
@@ -40,10 +40,10 @@ class LoadedModel:
     dtype: jnp.dtype
     source: ModelSource
     mesh: Mesh | None = None  # tensor parallelism: the devices the weights are split over
-    quantization: str = "none"  # or "int8", "w8a8": projections, embedding and head hold int8 weights
+    quantization: Quantization = Quantization.NONE  # int8, w8a8: projections, embedding and head hold int8 weights
 
     def save_orbax(self, folder: str | os.PathLike) -> None:
-        if self.quantization != "none":
+        if self.quantization.quantized:
             raise ValueError("`jserve convert` writes float weights; quantize when loading them instead")
         save_orbax(nnx.merge(self.graphdef, self.params), self.tokenizer, self.dtype, Path(folder))
 
@@ -65,13 +65,16 @@ def load_model(
     revision: str | None = None,
     download_dir: str | os.PathLike | None = None,
     gguf_file: str | None = None,
+    cpu_int8_kernel: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder, a hub id
     (`org/name`, or `org/name:FILE.gguf`: from the HF cache, downloaded if absent), a `jserve convert` folder,
     or `random:<shape>` (random weights, see MODEL_SHAPES). `revision`, `download_dir`, `gguf_file`: see
-    resolve_model. `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization)."""
+    resolve_model. `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization),
+    laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel` is False."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    quantization = Quantization(quantization)
     target_dtype = resolve_dtype(dtype)
     source = resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
     start = time.perf_counter()
@@ -102,13 +105,13 @@ def load_model(
         placement = WeightPlacement.create(config, mesh)
         graphdef, params = assemble(placement, tensors.items(), target_dtype, source.path.name, total=len(tensors))
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    if quantization != "none":
-        graphdef, params = quantize_model(placement, params, target_dtype, quantization)
+    if quantization.quantized:
+        graphdef, params = quantize_model(placement, params, target_dtype, quantization, cpu_int8_kernel)
     log.info(
         "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s activations, %s weights (%.0f MB)",
         config.family, source.path, source.kind, time.perf_counter() - start, config.num_layers,
         num_params / 1e6, target_dtype.name,
-        f"int8 ({quantization})" if quantization != "none" else target_dtype.name,
+        f"int8 ({quantization})" if quantization.quantized else target_dtype.name,
         sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
     return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh, quantization)

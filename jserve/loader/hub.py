@@ -113,8 +113,10 @@ def download(hub: HubModel, cache: Path) -> Path:
     try:
         from huggingface_hub import constants
     except ImportError:
-        raise ModelLoadError(f"{hub} is not in the cache {cache}; downloading it needs huggingface_hub "
-                             f"(pip install huggingface_hub), or {NO_HUB}") from None  # fmt: skip
+        raise ModelLoadError(
+            f"{hub} is not in the cache {cache}; downloading it needs huggingface_hub "
+            f"(pip install huggingface_hub), or {NO_HUB}"
+        ) from None
     log.info("Downloading %s from %s into %s", hub, constants.ENDPOINT, cache)
     try:
         return fetch(hub, cache)
@@ -134,8 +136,9 @@ def fetch(hub: HubModel, cache: Path) -> Path:
     index = folder / INDEX
     shards = index_shards(index) if index.is_file() else ["*.safetensors"]
     # The commit the first call resolved (the snapshot's name), wherever the branch has moved since.
-    snapshot_download(hub.repo_id, revision=folder.name, cache_dir=cache, allow_patterns=shards,
-                      ignore_patterns=SUBFOLDERS)  # fmt: skip
+    snapshot_download(
+        hub.repo_id, revision=folder.name, cache_dir=cache, allow_patterns=shards, ignore_patterns=SUBFOLDERS
+    )
     return folder
 
 

@@ -11,17 +11,17 @@ import jax
 from flax import nnx
 
 from jserve.loader.weights import abstract_model, leaves_by_name, param_name
-from jserve.models.quantization import quantize_rows, tile, tiles_weights
+from jserve.models.quantization import Quantization, quantize_rows, tile, tiles_weights
 from jserve.parallel import WeightPlacement
 
 
 def quantize_model(
-    placement: WeightPlacement, params: nnx.State, dtype, quantization: str
+    placement: WeightPlacement, params: nnx.State, dtype, quantization: Quantization, cpu_kernel: bool = True
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) of the int8 or w8a8 model: each int8 weight and its `weight_scale` from the float
-    weight, the weight in the CPU kernel's tiles where it will run them."""
+    weight, the weight in the CPU kernel's tiles where it will run them (never if not `cpu_kernel`)."""
     graphdef, abstract = abstract_model(placement.config, dtype, quantization, placement.shards)
-    tiled = tiles_weights()
+    tiled = tiles_weights(cpu_kernel)
     floats = leaves_by_name(params)
     done: dict[str, jax.Array] = {}
     for name, leaf in leaves_by_name(abstract).items():

@@ -15,8 +15,9 @@ from jserve.loader.weights import abstract_model, param_name
 from jserve.parallel import WeightPlacement
 
 PREFIX = "random:"
-_LLAMA3_ROPE = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                           original_max_position_embeddings=8192)  # fmt: skip
+_LLAMA3_ROPE = RopeScaling(
+    "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
 
 MODEL_SHAPES: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(

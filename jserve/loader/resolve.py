@@ -46,8 +46,9 @@ def resolve_model(
         raise ModelLoadError(f"--revision {revision!r} picks a revision of a hub repo; {str(model)!r} is a local path")
     if gguf_file is not None:
         if not path.is_dir():
-            raise ModelLoadError(f"--gguf-file {gguf_file!r} picks a file of a hub repo or a local folder; "
-                                 f"{str(model)!r} is neither")  # fmt: skip
+            raise ModelLoadError(
+                f"--gguf-file {gguf_file!r} picks a file of a hub repo or a local folder; {str(model)!r} is neither"
+            )
         path = path / gguf_file
     if path.is_file():
         if path.suffix != ".gguf":

@@ -9,11 +9,12 @@ from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
 from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
+from jserve.models.quantization import Quantization
 from jserve.models.rotary import apply_rope
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none", shards: int = 1):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: Quantization, shards: int = 1):
         hidden, dim = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
         self.sliding_window = config.sliding_windows[layer_idx]

@@ -19,6 +19,7 @@ from jserve.models.decoder import DecoderLayer
 from jserve.models.embedding import Embedding
 from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
+from jserve.models.quantization import Quantization
 from jserve.models.rotary import inverse_frequencies, rope_angles
 
 
@@ -28,6 +29,7 @@ class CausalLM(nnx.Module):
         stay float), and multiply activations in that scheme (quantization.py). `shards`: the tensor-parallel
         devices, whose blocks of rows the fused projections order theirs for (fused.py)."""
         self.config = config
+        quantization = Quantization(quantization)  # a name ("int8") or the mode itself
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, quantization=quantization)
         # A Python list, unrolled at trace time: measured ~2x faster than lax.scan over stacked layers on CPU.
         self.layers = nnx.List(

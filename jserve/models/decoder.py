@@ -10,10 +10,11 @@ from jserve.config import ModelConfig
 from jserve.models.attention import Attention
 from jserve.models.mlp import MLP
 from jserve.models.norm import RMSNorm
+from jserve.models.quantization import Quantization
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: str = "none", shards: int = 1):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: Quantization, shards: int = 1):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(config, layer_idx, dtype=dtype, quantization=quantization, shards=shards)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve.models.norm import RMSNorm
-from jserve.models.quantization import activation_group, int8_matmul, rows_of
+from jserve.models.quantization import Quantization, int8_matmul, rows_of
 
 
 class Embedding(nnx.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, quantization: str = "none"):
-        quantized = quantization != "none"
-        self.dtype, self.hidden_size, self.activation_group = dtype, hidden_size, activation_group(quantization)
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, quantization: Quantization):
+        quantized = quantization.quantized
+        self.dtype, self.hidden_size, self.activation_group = dtype, hidden_size, quantization.activation_group
         self.weight = nnx.Param(jnp.zeros((vocab_size, hidden_size), jnp.int8 if quantized else dtype))
         self.weight_scale = nnx.Param(jnp.zeros((vocab_size,), jnp.float32)) if quantized else None
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jserve.models import fused
 from jserve.models.norm import RMSNorm
-from jserve.models.quantization import activation_group, int8_matmul
+from jserve.models.quantization import Quantization, int8_matmul
 
 
 class Linear(nnx.Module):
@@ -20,16 +20,16 @@ class Linear(nnx.Module):
         *,
         bias: bool,
         dtype,
-        quantization: str = "none",
+        quantization: Quantization,
         shards: int = 1,
     ):
         """`out_features` {checkpoint name: rows} fuses those projections, their rows ordered for `shards`
         tensor-parallel devices (fused.py)."""
-        quantized = quantization != "none"
+        quantized = quantization.quantized
         self.pieces = tuple(out_features.items()) if isinstance(out_features, dict) else ()
         self.shards = shards
         rows = sum(width for _, width in self.pieces) or out_features
-        self.activation_group = activation_group(quantization)
+        self.activation_group = quantization.activation_group
         self.weight = nnx.Param(jnp.zeros((rows, in_features), jnp.int8 if quantized else dtype))
         self.weight_scale = nnx.Param(jnp.zeros((rows,), jnp.float32)) if quantized else None
         self.bias = nnx.Param(jnp.zeros((rows,), dtype)) if bias else None

@@ -6,16 +6,17 @@ from flax import nnx
 from jserve.config import ModelConfig
 from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
+from jserve.models.quantization import Quantization
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype, quantization: str = "none", shards: int = 1):
+    def __init__(self, config: ModelConfig, *, dtype, quantization: Quantization, shards: int = 1):
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         pieces = {"gate_proj": inner, "up_proj": inner}
         self.gate_up_proj = Linear(hidden, pieces, bias=bias, dtype=dtype, quantization=quantization, shards=shards)
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, quantization=quantization)
 
     def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
-        """mlp(norm(x)), or mlp(x); `real_rows` (int32 [1]): x's rows past it are padding (see linear.project)."""
+        """mlp(norm(x)), or mlp(x); `real_rows` (int32 [1]): x's rows past it are padding (see Linear.__call__)."""
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x, real_rows, norm))
         return self.down_proj(jax.nn.silu(gate) * up, real_rows)

@@ -15,7 +15,7 @@ class RMSNorm(nnx.Module):
 
     @property
     def params(self) -> tuple[jax.Array, float]:
-        """(weight, eps): what a projection that applies this norm itself needs (linear.project)."""
+        """(weight, eps): what a projection that applies this norm itself needs (Linear.__call__)."""
         return self.weight[...], self.eps
 
 

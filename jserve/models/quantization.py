@@ -14,6 +14,7 @@ from float32's sooner (docs/benchmarks.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +22,28 @@ import jax.numpy as jnp
 from jserve import cpu_kernels
 from jserve.models.norm import rms_norm
 
-QUANTIZATIONS = ("none", "int8", "w8a8")
 GROUP = 32  # w8a8's inputs per activation scale
-# On a lone CPU device with AVX-512 VNNI, the C++ kernel runs every int8 projection, quantizing x itself:
-# 2-5x faster than XLA's ops from 1 to 512 tokens (docs/benchmarks.md). False when loading keeps rows, so
-# XLA's ops run everywhere (benchmarks compare the two).
-CPU_KERNEL = True
 TILE = (16, 4)  # outputs x inputs per tile line (cpu_kernels/int8_linear.cc); inputs padded to GROUP
+
+
+class Quantization(StrEnum):
+    """`--quantization`: float weights, or int8 ones meeting activations in one of two schemes."""
+
+    NONE = "none"
+    INT8 = "int8"  # activations as two int8 digits per row
+    W8A8 = "w8a8"  # activations as one int8 digit per GROUP inputs
+
+    @property
+    def quantized(self) -> bool:
+        return self is not Quantization.NONE
+
+    @property
+    def activation_group(self) -> int:
+        """int8_matmul's `group`: 0, two digits per row (int8); GROUP, one digit per GROUP inputs (w8a8)."""
+        return GROUP if self is Quantization.W8A8 else 0
+
+
+QUANTIZATIONS = tuple(q.value for q in Quantization)  # the flag's choices, as the user writes them
 
 
 def quantize_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -45,12 +61,6 @@ class Int8Activations:
 
     digits: jax.Array
     scales: jax.Array
-
-
-def activation_group(quantization: str) -> int:
-    """The activations' scheme for int8_matmul: 0, two digits per row (int8); GROUP, one digit per GROUP
-    inputs (w8a8)."""
-    return GROUP if quantization == "w8a8" else 0
 
 
 def quantize_activations(rows: jax.Array) -> Int8Activations:
@@ -82,11 +92,13 @@ def is_tiled(q: jax.Array) -> bool:
     return q.ndim == 4
 
 
-def tiles_weights() -> bool:
-    """Whether int8 weights loaded now go to the CPU kernel, in tiles: on a lone CPU device with the kernel
-    (with several, the weight may be sharded, and XLA cannot split a custom call)."""
+def tiles_weights(cpu_kernel: bool = True) -> bool:
+    """Whether int8 weights loaded now go to the C++ kernel, in tiles: when `cpu_kernel` (the engine's
+    cpu_int8_kernel setting), on a lone CPU device with AVX-512 VNNI. There the kernel runs every int8
+    projection, quantizing x itself, 2-5x faster than XLA's ops from 1 to 512 tokens (docs/benchmarks.md).
+    With several devices the weight may be sharded, and XLA cannot split a custom call."""
     return (
-        CPU_KERNEL
+        cpu_kernel
         and jax.default_backend() == "cpu"
         and jax.device_count() == 1
         and cpu_kernels.int8_linear_available()
@@ -102,10 +114,10 @@ def int8_matmul(
     group: int = 0,
 ) -> jax.Array:
     """norm(x) [..., in] times the int8 weight q (rows [out, in] or tiles) with its scale per output ->
-    [..., out] in x's dtype; `group` picks the activations' scheme (activation_group). Tiles go to the CPU
-    kernel, which applies the RMSNorm `norm` = (weight, eps) itself; rows to XLA's ops. `real_rows` (int32
-    [1]): rows of x past it are padding; the CPU kernel skips them (their outputs are zeros), XLA's ops
-    compute them anyway."""
+    [..., out] in x's dtype; `group` picks the activations' scheme (Quantization.activation_group). Tiles go
+    to the CPU kernel, which applies the RMSNorm `norm` = (weight, eps) itself; rows to XLA's ops.
+    `real_rows` (int32 [1]): rows of x past it are padding; the CPU kernel skips them (their outputs are
+    zeros), XLA's ops compute them anyway."""
     rows = x.reshape(-1, x.shape[-1])
     if is_tiled(q):
         y = cpu_kernels.int8_linear(rows.astype(jnp.float32), q, scale, real_rows, norm, group)

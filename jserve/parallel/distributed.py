@@ -35,8 +35,9 @@ class DistributedArgs:
 
     @property
     def enabled(self) -> bool:
-        return self.distributed or any(v is not None for v in (self.coordinator_address, self.num_processes,
-                                                                self.process_id))  # fmt: skip
+        return self.distributed or any(
+            v is not None for v in (self.coordinator_address, self.num_processes, self.process_id)
+        )
 
     def initialize(self) -> None:
         if self.enabled:

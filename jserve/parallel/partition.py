@@ -34,11 +34,15 @@ def make_mesh(tensor_parallel_size: int) -> Mesh | None:
     hosts the mesh spans every device of every process: each must take part in every step."""
     devices = jax.devices()
     if jax.process_count() > 1 and tensor_parallel_size != len(devices):
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: across {jax.process_count()} processes "
-                         f"it must be the total device count, {len(devices)}")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size}: across {jax.process_count()} processes "
+            f"it must be the total device count, {len(devices)}"
+        )
     if tensor_parallel_size < 1 or tensor_parallel_size > len(devices):
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs 1..{len(devices)} devices "
-                         f"({len(devices)} {devices[0].platform} devices visible)")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} needs 1..{len(devices)} devices "
+            f"({len(devices)} {devices[0].platform} devices visible)"
+        )
     if tensor_parallel_size == 1:
         return None
     return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,))

@@ -74,8 +74,10 @@ class Submission:
             if isinstance(item, BaseException):
                 raise item
             if any(c.finish_reason == "error" for c in item.outputs):
-                raise EngineError("the engine failed while running this request (the server log says why); "
-                                  "other requests were not affected")  # fmt: skip
+                raise EngineError(
+                    "the engine failed while running this request (the server log says why); "
+                    "other requests were not affected"
+                )
             self.latest[item.request_id] = item
             if item.finished:
                 pending.discard(item.request_id)
@@ -126,8 +128,9 @@ class AsyncEngine:
         """Sequences (prompts × n) accepted but not yet producing output."""
         return sum(len(s.unstarted) * s.n for s in self.submissions)
 
-    async def submit(self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0,
-                     cache_salt: str | None = None) -> Submission:  # fmt: skip
+    async def submit(
+        self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0, cache_salt: str | None = None
+    ) -> Submission:
         """Queue one engine request per prompt; raises RequestError (the engine's validation, naming the
         field) if any is bad, in which case none is queued."""
         prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -164,8 +167,9 @@ class AsyncEngine:
             self.engine = self.args.create_engine()
             if self.chat_template is not None:
                 self.engine.tokenizer.chat_template = self.chat_template
-            self.info = EngineInfo(self.engine.tokenizer, self.engine.model.config.vocab_size,
-                                   self.engine.config.max_model_len)  # fmt: skip
+            self.info = EngineInfo(
+                self.engine.tokenizer, self.engine.model.config.vocab_size, self.engine.config.max_model_len
+            )
         except (JServeError, ValueError) as err:  # a bad model or setting: say what, without a traceback
             log.error("The model failed to load: %s", err)
             self._fail_load()
@@ -219,8 +223,9 @@ class AsyncEngine:
         submission, added = command.submission, []
         try:
             for request_id, prompt in zip(submission.request_ids, command.prompts, strict=True):
-                self.engine.add_request(prompt.token_ids, command.params, request_id, command.priority, prompt.text,
-                                        command.cache_salt)  # fmt: skip
+                self.engine.add_request(
+                    prompt.token_ids, command.params, request_id, command.priority, prompt.text, command.cache_salt
+                )
                 added.append(request_id)
         except Exception as err:  # bad input: withdraw this call's requests, touch nothing else
             for request_id in added:

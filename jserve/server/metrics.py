@@ -42,8 +42,9 @@ class ServerMetrics:
         self.itl = make(Histogram, "inter_token_latency_seconds", "Time between tokens of a completion",
                         buckets=TOKEN_LATENCY_BUCKETS)  # fmt: skip
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
-        self.queue_time = make(Histogram, "request_queue_time_seconds", "Arrival to first scheduled",
-                               buckets=LATENCY_BUCKETS)  # fmt: skip
+        self.queue_time = make(
+            Histogram, "request_queue_time_seconds", "Arrival to first scheduled", buckets=LATENCY_BUCKETS
+        )
         self._counted = (0,) * 9
         self._last_token: dict[tuple[str, int], float] = {}  # (request, completion) -> when its last token came
         self._started: set[str] = set()  # requests whose first token was counted

@@ -62,8 +62,9 @@ def parse_completion(body: dict) -> GenerationRequest:
     request.echo = echo
     best_of = body.get("best_of")
     if best_of is not None and best_of != request.params.n:
-        raise bad_request(f"best_of must equal n ({request.params.n}); ranking extra samples is not supported",
-                          "best_of")  # fmt: skip
+        raise bad_request(
+            f"best_of must equal n ({request.params.n}); ranking extra samples is not supported", "best_of"
+        )
     return request
 
 
@@ -180,8 +181,9 @@ def _prompts(prompt: object) -> list[Prompt]:
         if len(prompts) > MAX_PROMPTS:
             raise bad_request(f"a request takes at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
         return prompts
-    raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of such lists",
-                      "prompt")  # fmt: skip
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids, or a list of such lists", "prompt"
+    )
 
 
 def _messages(messages: object) -> list[dict]:
@@ -196,8 +198,9 @@ def _messages(messages: object) -> list[dict]:
             raise bad_request(f"messages[{i}]: unsupported field(s) {short_repr(extra)}", "messages")
         role = message.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {short_repr(role)}",
-                              "messages")  # fmt: skip
+            raise bad_request(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {short_repr(role)}", "messages"
+            )
         rendered = {"role": "system" if role == "developer" else role, "content": _content(message.get("content"), i)}
         name = message.get("name")
         if name is not None:  # the participant's name: the chat template may show it (transformers passes it)
@@ -216,8 +219,9 @@ def _content(content: object, i: int) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content: only text parts are supported, got {short_repr(part)}",
-                                  "messages")  # fmt: skip
+                raise bad_request(
+                    f"messages[{i}].content: only text parts are supported, got {short_repr(part)}", "messages"
+                )
             texts.append(part["text"])
         return "\n".join(texts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")

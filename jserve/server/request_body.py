@@ -68,5 +68,6 @@ def _check_text(text: str) -> None:
         text.encode()
     except UnicodeEncodeError as err:
         code = ord(text[err.start])
-        raise bad_request(f"the request body holds a lone surrogate (U+{code:04X}) in a string; text must be "
-                          "valid Unicode") from None  # fmt: skip
+        raise bad_request(
+            f"the request body holds a lone surrogate (U+{code:04X}) in a string; text must be valid Unicode"
+        ) from None

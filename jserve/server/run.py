@@ -46,15 +46,17 @@ def serve(engine_args: EngineArgs, settings: ServerSettings, host: str = "127.0.
     """Serve until stopped; returns the process exit code."""
     app = build_app(engine_args, settings)
     engine: AsyncEngine = app.state.engine
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout,
-                            access_log=False)  # fmt: skip
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout, access_log=False
+    )
     server = DrainingServer(config, engine)
 
     def failed() -> None:
         server.should_exit = True
 
     engine.on_failure = failed
-    log.info("Serving '%s' on http://%s:%d (loading the model in the background)", settings.served_model_name,
-             host, port)  # fmt: skip
+    log.info(
+        "Serving '%s' on http://%s:%d (loading the model in the background)", settings.served_model_name, host, port
+    )
     server.run()
     return 1 if engine.state is EngineState.FAILED else 0

@@ -112,15 +112,19 @@ def ragged_paged_attention(
             f"q {q.dtype}, k {k_pages.dtype}, v {v_pages.dtype}"
         )
     if num_heads % num_kv_heads or tile_rows % WGMMA_M or group > tile_rows:
-        raise ValueError(f"need heads % kv_heads == 0, tile_rows % 64 == 0 and group <= tile_rows: "
-                         f"{num_heads=} {num_kv_heads=} {tile_rows=}")  # fmt: skip
+        raise ValueError(
+            f"need heads % kv_heads == 0, tile_rows % 64 == 0 and group <= tile_rows: "
+            f"{num_heads=} {num_kv_heads=} {tile_rows=}"
+        )
     if pages_per_block is None:
         pages_per_block = default_pages_per_block(page_size)
     block_k = pages_per_block * page_size
     # What Mosaic GPU lowers (checked by lowering): WGMMA operands in 128-byte swizzled SMEM rows.
     if head_dim % 64 or block_k % 64 or page_size % 8:
-        raise ValueError(f"need head_dim and pages_per_block * page_size multiples of 64, page_size of 8: "
-                         f"{head_dim=} {page_size=} {pages_per_block=}")  # fmt: skip
+        raise ValueError(
+            f"need head_dim and pages_per_block * page_size multiples of 64, page_size of 8: "
+            f"{head_dim=} {page_size=} {pages_per_block=}"
+        )
 
     if kv_splits is None:
         kv_splits = decode_splits(page_tables.shape[0], num_kv_heads, num_cores)
