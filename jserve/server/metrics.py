@@ -48,6 +48,8 @@ class ServerMetrics:
         self._counted = (0,) * 9
         self._last_token: dict[tuple[str, int], float] = {}  # (request, completion) -> when its last token came
         self._started: set[str] = set()  # requests whose first token was counted
+        # Completions counted as finished: with n > 1 a finished one is in every output until its siblings end.
+        self._finished: set[tuple[str, int]] = set()
 
     def observe_step(self, engine) -> None:
         scheduler, stats = engine.scheduler, engine.stats
@@ -75,7 +77,8 @@ class ServerMetrics:
                 if last_time is not None:
                     self.itl.observe((now - last_time) / new_tokens)
                 self._last_token[key] = now
-            if completion.finished:
+            if completion.finished and key not in self._finished:
+                self._finished.add(key)
                 self._last_token.pop(key, None)
                 self.success[completion.finish_reason].inc()
         if metrics.first_token_time is not None and out.request_id not in self._started:
@@ -83,6 +86,7 @@ class ServerMetrics:
             self.ttft.observe(metrics.time_to_first_token)
         if out.finished:
             self._started.discard(out.request_id)
+            self._finished.difference_update((out.request_id, c.index) for c in out.outputs)
             if metrics.finish_time is not None:
                 self.e2e.observe(metrics.finish_time - metrics.arrival_time)
             if metrics.queue_time is not None:
