@@ -9,17 +9,44 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 import uvicorn
 
 from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings, build_app
 from jserve.server.async_engine import AsyncEngine
 
+from tiny_models import VOCAB_SIZE, tiny_kv_bytes
+
+MODEL = "tiny"  # the served model name the server tests use
+
 # A minimal chat template for the tiny checkpoints, whose tokenizer has none.
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
+
+
+def tiny_args(folder, **overrides) -> EngineArgs:
+    """A tiny checkpoint's engine, small enough to start in seconds."""
+    settings = dict(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                    kv_cache_memory=tiny_kv_bytes(64), enable_prefix_caching=False)  # fmt: skip
+    return EngineArgs(**settings | overrides)
+
+
+def prompt_ids(seed: int, length: int = 12) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB_SIZE, length).tolist()
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None, text: str = "") -> dict:
+    """An error response in OpenAI's shape, with this status (and param, and text in its message)."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
+    assert text in error["message"], error
+    return error
 
 
 @dataclass

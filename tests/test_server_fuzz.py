@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings
 
-from server_utils import TINY_CHAT_TEMPLATE, running_server, wait_until
+from server_utils import MODEL, TINY_CHAT_TEMPLATE, running_server, wait_until
 from tiny_models import VOCAB_SIZE, assert_engine_idle, tiny_kv_bytes
 
-MODEL = "tiny"
 BODIES = 2000
 REQUEST_TIMEOUT_S = 30  # a hang fails the test at once instead of eating the suite's budget
 

@@ -5,7 +5,6 @@ import asyncio
 import json
 
 import httpx
-import numpy as np
 import pytest
 
 from jserve.engine.args import EngineArgs
@@ -15,10 +14,9 @@ from jserve.server import ServerSettings
 from jserve.server.protocol import MAX_PROMPTS
 from jserve.server.request_body import MAX_JSON_DEPTH
 
-from server_utils import running_server, wait_until
-from tiny_models import VOCAB_SIZE, assert_engine_idle, tiny_kv_bytes
+from server_utils import MODEL, assert_error, prompt_ids, running_server, wait_until
+from tiny_models import assert_engine_idle, tiny_kv_bytes
 
-MODEL = "tiny"
 KEY = "sesame"
 MAX_MODEL_LEN = 128
 # Shows each message's name, as chat templates that support names do.
@@ -53,26 +51,12 @@ def post(server, path: str, body=None, *, content: bytes | None = None, headers=
     return httpx.post(f"{server.base_url}{path}", content=content, headers=headers, timeout=60)
 
 
-def assert_error(response: httpx.Response, status: int, param: str | None = None, text: str = "") -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    if param is not None:
-        assert error["param"] == param, error
-    assert text in error["message"], error
-    return error
-
-
 def greedy(server, prompt: list[int], max_tokens: int = 8) -> list[int]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "logprobs": 0}  # fmt: skip
     response = post(server, "/v1/completions", body)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["logprobs"]["tokens"]
-
-
-def prompt_ids(seed: int, length: int = 12) -> list[int]:
-    return np.random.default_rng(seed).integers(3, VOCAB_SIZE, length).tolist()
 
 
 # --- HTTP hygiene --------------------------------------------------------------------------------
