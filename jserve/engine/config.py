@@ -156,8 +156,9 @@ def resolve_engine_config(
     page_bytes = page_size * kv_cache_bytes_per_token(model, kv_cache_dtype) // args.tensor_parallel_size
     largest_step = (max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
     workspace = step_workspace_bytes(model, page_size, *largest_step, max_num_seqs)
-    memory = kv_cache_memory if kv_cache_memory is not None else default_kv_cache_memory(limits, workspace)
-    if not on_cpu and memory > default_kv_cache_memory(limits, workspace):
+    fits = default_kv_cache_memory(limits, workspace)
+    memory = kv_cache_memory if kv_cache_memory is not None else fits
+    if not on_cpu and memory > fits:
         log.warning("kv_cache_memory of %.2f GiB leaves the largest step less than the %.2f GiB it may need: "
                     "warm-up may run out of memory", memory / GiB, workspace / GiB)  # fmt: skip
     num_pages = memory // page_bytes
