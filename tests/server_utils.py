@@ -16,7 +16,7 @@ from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings, build_app
 from jserve.server.async_engine import AsyncEngine
 
-from tiny_models import VOCAB_SIZE, tiny_kv_bytes
+from tiny_models import VOCAB_SIZE
 
 MODEL = "tiny"  # the served model name the server tests use
 
@@ -25,13 +25,6 @@ TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
-
-
-def tiny_args(folder, **overrides) -> EngineArgs:
-    """A tiny checkpoint's engine, small enough to start in seconds."""
-    settings = dict(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                    kv_cache_memory=tiny_kv_bytes(64), enable_prefix_caching=False)  # fmt: skip
-    return EngineArgs(**settings | overrides)
 
 
 def prompt_ids(seed: int, length: int = 12) -> list[int]:

@@ -16,6 +16,7 @@ from tiny_models import (
     reference_greedy,
     reference_logits,
     save_tiny_checkpoint,
+    tiny_engine_args,
     tiny_kv_bytes,
 )
 
@@ -23,10 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def tiny_llm(folder, **kwargs) -> LLM:
-    settings = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
-                    kv_cache_memory=tiny_kv_bytes(64), enable_prefix_caching=False)  # fmt: skip
-    settings.update(kwargs)
-    return LLM(folder, **settings)
+    return LLM.from_engine_args(tiny_engine_args(folder, **kwargs))
 
 
 def prompts(count, seed=0, low=5, high=40):

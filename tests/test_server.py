@@ -17,14 +17,14 @@ from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings
 from jserve.server.async_engine import Submission
 
-from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, prompt_ids, running_server, tiny_args, wait_until
-from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy
+from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, prompt_ids, running_server, wait_until
+from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy, tiny_engine_args
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_checkpoint):
     settings = ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)
-    with running_server(tiny_args(tiny_llama_checkpoint[0]), settings) as handle:
+    with running_server(tiny_engine_args(tiny_llama_checkpoint[0]), settings) as handle:
         yield handle
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from jserve.server import ServerSettings
 
-from server_utils import MODEL, assert_error, prompt_ids, running_server, tiny_args, wait_until
-from tiny_models import assert_engine_idle, tiny_kv_bytes
+from server_utils import MODEL, assert_error, prompt_ids, running_server, wait_until
+from tiny_models import assert_engine_idle, tiny_engine_args, tiny_kv_bytes
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def small_server(tiny_llama_checkpoint):
     """An API key, a queue of 8, prefix caching, and a KV pool of 24 pages (384 tokens) for up to 8 sequences
     of 256."""
     settings = ServerSettings(MODEL, api_key="sesame", max_queue=8)
-    args = tiny_args(tiny_llama_checkpoint[0], kv_cache_memory=tiny_kv_bytes(24), enable_prefix_caching=True)
+    args = tiny_engine_args(tiny_llama_checkpoint[0], kv_cache_memory=tiny_kv_bytes(24), enable_prefix_caching=True)
     with running_server(args, settings) as handle:
         yield handle
         wait_until(lambda: not handle.engine.engine.has_unfinished_requests())

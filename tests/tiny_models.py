@@ -9,6 +9,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from jserve.engine.args import EngineArgs
+
 VOCAB_SIZE = 320
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -204,6 +206,13 @@ def write_gguf(
 def tiny_kv_bytes(pages: int, page_size: int = 16) -> int:
     """kv_cache_memory for `pages` pages of the tiny models (2 layers, 2 KV heads of 16 dims, float32)."""
     return pages * page_size * 2 * 2 * 2 * 16 * 4
+
+
+def tiny_engine_args(folder, **overrides) -> EngineArgs:
+    """A tiny checkpoint's engine, small enough to start in seconds."""
+    settings = dict(model=str(folder), dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                    kv_cache_memory=tiny_kv_bytes(64), enable_prefix_caching=False)  # fmt: skip
+    return EngineArgs(**settings | overrides)
 
 
 def assert_engine_idle(llm) -> None:
