@@ -4,6 +4,16 @@ from jserve.config_file import load_config
 from jserve.llm import LLM, generate
 from jserve.outputs import CompletionOutput, Logprob, RequestOutput
 from jserve.sampling_params import SamplingParams
+from jserve.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "generate", "load_config"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "generate",
+    "load_config",
+]

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jserve.errors import RequestError, short_repr
+from jserve.structured.params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for per token (OpenAI's limit)
 MAX_LOGIT_BIAS = 300  # most logit_bias entries a request may carry (OpenAI's limit)
@@ -51,6 +52,8 @@ class SamplingParams:
     logprobs: int | None = None  # top alternatives to return per token; None = no logprobs
     logit_bias: Mapping[int | str, float] | None = None  # token id -> bias added to its logit
     skip_special_tokens: bool = True
+    # the output must match a JSON schema, regex, choice or grammar (a dict is read as its fields)
+    structured_outputs: StructuredOutputsParams | Mapping | None = None
 
     def __post_init__(self) -> None:
         max_tokens = None if self.max_tokens is None else _integer("max_tokens", self.max_tokens, low=1)
@@ -76,6 +79,7 @@ class SamplingParams:
             "logprobs": logprobs,
             "logit_bias": _logit_bias(self.logit_bias),
             "skip_special_tokens": _boolean("skip_special_tokens", self.skip_special_tokens),
+            "structured_outputs": _structured(self.structured_outputs),
         }
         for name, value in values.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen; normalised values land once, here
@@ -162,6 +166,18 @@ def _stop_token_ids(ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)):
         raise RequestError(f"stop_token_ids must be a list of token ids, got {short_repr(ids)}", "stop_token_ids")
     return tuple(_integer("stop_token_ids", i, low=0) for i in ids)
+
+
+def _structured(value: object) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, Mapping):
+        try:
+            return StructuredOutputsParams(**value)
+        except TypeError as error:  # an unknown key
+            raise RequestError(f"structured_outputs: {error}", "structured_outputs") from None
+    message = f"structured_outputs must be a StructuredOutputsParams, got {short_repr(value)}"
+    raise RequestError(message, "structured_outputs")
 
 
 def _logit_bias(bias: object) -> dict[int, float]:

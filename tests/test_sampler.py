@@ -15,6 +15,7 @@ from jserve.engine.sampler import (
     SamplingRow,
     bias_entries,
     build_sampling_batch,
+    full_bitmask,
     init_penalty_state,
     process_logits,
     sample,
@@ -129,17 +130,22 @@ OPTIONS = {
 }
 
 
-def rows_for(options, num_seqs_pad=2):
+def pack(rows, num_seqs, vocab=VOCAB):
+    """The rows as a batch of num_seqs, no row constrained by a grammar."""
+    return build_sampling_batch(rows, num_seqs, full_bitmask(num_seqs, vocab))
+
+
+def rows_for(options, num_seqs_pad=2, vocab=VOCAB):
     """One row per (params, suppressed), slots spread over the histories; the batch gets padding rows."""
     rows = [
         SamplingRow(params, seed=i, step=0, slot=(2 * i + 1) % NUM_SLOTS, suppressed_ids=suppressed)
         for i, (params, suppressed) in enumerate(options)
     ]
-    return rows, build_sampling_batch(rows, len(rows) + num_seqs_pad)
+    return rows, pack(rows, len(rows) + num_seqs_pad, vocab)
 
 
 def check_against_reference(options, logits, state=None, histories=HISTORIES):
-    rows, batch = rows_for(options)
+    rows, batch = rows_for(options, vocab=logits.shape[-1])
     state = history_state(histories) if state is None else state
     processed = np.asarray(PROCESS(logits, batch, state))
     for i, row in enumerate(rows):
@@ -188,7 +194,7 @@ def test_ties_at_the_threshold_are_kept():
     half = float(jnp.log(jnp.float32(0.5)))  # p = 0.5 * p_max exactly, as the device computes it
     logits[2] = [0.0, half, half - 1e-3, -5, -5, -5]
     options = [(SamplingParams(top_k=2), ()), (SamplingParams(top_p=0.3), ()), (SamplingParams(min_p=0.5), ())]
-    _, batch = rows_for(options, num_seqs_pad=0)
+    _, batch = rows_for(options, num_seqs_pad=0, vocab=6)
     kept = np.isfinite(np.asarray(PROCESS(logits, batch, init_penalty_state(NUM_SLOTS, 6))))
     np.testing.assert_array_equal(kept[0], [1, 1, 1, 1, 0, 0])  # top-2 keeps every token equal to the 2nd
     np.testing.assert_array_equal(kept[1], [1, 1, 1, 1, 0, 0])  # top-p needs 2 tokens of 4 equal ones
@@ -229,7 +235,7 @@ def test_penalties_follow_the_history_update():
     state = init_penalty_state(2, VOCAB)
     logits = random_logits(1)
     top = int(np.argmax(logits[0]))
-    batch = build_sampling_batch([SamplingRow(SamplingParams(temperature=0, presence_penalty=2.0), 0, 0, 1)], 1)
+    batch = pack([SamplingRow(SamplingParams(temperature=0, presence_penalty=2.0), 0, 0, 1)], 1)
     before = np.asarray(PROCESS(logits, batch, state))
     token, slot, yes, no = np.array([top]), np.array([1]), np.array([True]), np.array([False])
     state = UPDATE(state, token, slot, yes, yes, slot, no)
@@ -296,7 +302,7 @@ def draw(logits_row, params, num_draws=DRAWS, suppressed=(), seeds=None, steps=N
     steps = [0] * num_draws if steps is None else steps
     rows = [SamplingRow(params, seed, step, 0, suppressed) for seed, step in zip(seeds, steps, strict=True)]
     logits = np.broadcast_to(np.asarray(logits_row, np.float32), (DRAWS, len(logits_row)))
-    out = SAMPLE(logits, build_sampling_batch(rows, DRAWS), init_penalty_state(1, len(logits_row)))
+    out = SAMPLE(logits, pack(rows, DRAWS, len(logits_row)), init_penalty_state(1, len(logits_row)))
     return jax.tree.map(lambda a: np.asarray(a)[:num_draws], out)
 
 
@@ -326,8 +332,8 @@ def test_a_rows_draw_does_not_depend_on_its_position_or_neighbours():
     logits_a = np.concatenate([logits[:8], logits[20:24], logits[36:40]])  # 16 rows: the last 4 are padding
     logits_b = np.concatenate([logits[30:35], logits[:8][::-1], logits[36:39]])
     state = history_state()
-    out_a = SAMPLE(logits_a, build_sampling_batch(rows_a, 16), state)
-    out_b = SAMPLE(logits_b, build_sampling_batch(rows_b, 16), state)
+    out_a = SAMPLE(logits_a, pack(rows_a, 16), state)
+    out_b = SAMPLE(logits_b, pack(rows_b, 16), state)
     np.testing.assert_array_equal(np.asarray(out_a.token_ids)[:8], np.asarray(out_b.token_ids)[5:13][::-1])
     np.testing.assert_allclose(np.asarray(out_a.logprobs)[:8], np.asarray(out_b.logprobs)[5:13][::-1], rtol=1e-6)
     assert len(set(np.asarray(out_a.token_ids)[:8])) > 2  # the targets really are random draws
@@ -411,7 +417,7 @@ def test_padding_rows_stay_finite_and_do_not_disturb_real_rows():
     rows, batch = rows_for([(dataclasses.replace(everything, logprobs=2), suppressed)], num_seqs_pad=3)
     state = history_state()
     out = SAMPLE(np.concatenate([logits[:1], garbage]), batch, state)
-    alone = SAMPLE(logits[:1], build_sampling_batch(rows, 1), state)
+    alone = SAMPLE(logits[:1], pack(rows, 1), state)
     for field in ("token_ids", "top_ids"):
         assert ((0 <= getattr(out, field)[1:]) & (getattr(out, field)[1:] < VOCAB)).all()
     assert np.isfinite(np.asarray(out.logprobs)).all()
@@ -447,7 +453,7 @@ def test_jit_traces_once_for_any_option_values():
 def test_build_sampling_batch_packs_and_pads():
     p = SamplingParams(temperature=0.5, top_k=7, top_p=0.9, min_p=0.1, repetition_penalty=1.2, logit_bias={4: 2.0})
     rows = [SamplingRow(p, seed=-1, step=9, slot=3, suppressed_ids=(4, 11)), SamplingRow(SamplingParams(), 5, 0, 1)]
-    batch = build_sampling_batch(rows, 4)
+    batch = pack(rows, 4)
     assert batch.bias_ids.shape == batch.bias_values.shape == (4, BIAS_WIDTH)
     np.testing.assert_array_equal(batch.temperature, [0.5, 1.0, 0.0, 0.0])  # padding rows are greedy
     np.testing.assert_array_equal(batch.top_k, [7, 0, 0, 0])
@@ -459,7 +465,7 @@ def test_build_sampling_batch_packs_and_pads():
     assert dict(zip(batch.bias_ids[0][:2], batch.bias_values[0][:2], strict=True)) == {4: -np.inf, 11: -np.inf}
     assert (batch.bias_ids[0, 2:] == -1).all() and (batch.bias_ids[1:] == -1).all()
     with pytest.raises(ValueError, match="exceed the batch of 1"):
-        build_sampling_batch(rows, 1)
+        pack(rows, 1)
 
 
 def test_bias_entries_overflow_names_the_fields():

@@ -24,6 +24,7 @@ from jserve.errors import RequestError
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
+from jserve.structured import GrammarCompiler
 
 log = logging.getLogger("jserve")
 
@@ -42,6 +43,12 @@ class LaunchedStep:
     sequences: list[ScheduledSequence]
     samples: list[bool]
     out: SamplerOutput
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar needs one of its samples before the next step's mask can be made."""
+        pairs = zip(self.sequences, self.samples, strict=True)
+        return any(sampled and seq.request.grammar is not None for seq, sampled in pairs)
 
 
 @dataclass
@@ -70,6 +77,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.stats)
         self.runner = ModelRunner(model, config, self.eos_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
         self.parents: dict[str, ParentRequest] = {}
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = itertools.count()
@@ -126,6 +134,8 @@ class LLMEngine:
                 "priority",
             )
         bias_entries(params, tuple(self.eos_ids) + params.stop_token_ids)  # raises now if the bias row overflows
+        # Compiled now, or found in the cache where the server compiled it off this thread.
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seeds = [
             params.seed + i if params.seed is not None else int(self._rng.integers(2**31)) for i in range(params.n)
         ]
@@ -143,6 +153,7 @@ class LLMEngine:
                 index=i,
                 parent_id=request_id,
                 cache_salt=cache_salt,
+                grammar=grammar.matcher() if grammar else None,
             )
             for i, seed in enumerate(seeds)
         ]
@@ -202,13 +213,17 @@ class LLMEngine:
         if not self._busy:
             self.stats.resume()
         changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
+        waited = 0.0
+        if self.in_flight is not None and self.in_flight.constrained:
+            # A grammar's next mask needs the token in flight: this step waits for it (no overlap).
+            waited, self.in_flight = self._process(self.in_flight, changed), None
         scheduled = self.scheduler.schedule()
         self.stats.preemptions += len(scheduled.preempted)
         launched = self._launch(scheduled.sequences, changed) if scheduled.sequences else None
         previous, self.in_flight = self.in_flight, launched
         if not self.config.async_scheduling:
             previous, self.in_flight = self.in_flight, None
-        waited = self._process(previous, changed) if previous is not None else 0.0
+        waited += self._process(previous, changed) if previous is not None else 0.0
         if self.in_flight is not None and all(p.finished for p in self.parents.values()):
             waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
             self.in_flight = None

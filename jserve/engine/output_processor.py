@@ -57,6 +57,8 @@ class OutputProcessor:
         token = int(samples.token_ids[row])
         request.num_pending -= 1
         request.append_token(token)
+        if request.grammar is not None:
+            request.grammar.accept(token)
         request.cumulative_logprob += float(samples.logprobs[row])
         if request.params.logprobs is not None:
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
@@ -121,6 +123,8 @@ class OutputProcessor:
                     if at >= 0:
                         state.unsent = state.unsent[:at]
                         return "stop", stop
+        if request.grammar is not None and request.grammar.terminated:  # the output is complete
+            return "stop", None
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return "length", None
         if request.num_tokens >= request.max_model_len:

@@ -10,6 +10,7 @@ import numpy as np
 
 from jserve.engine.radix_cache import Node
 from jserve.sampling_params import SamplingParams
+from jserve.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +74,9 @@ class Request:
     num_pending: int = 0
     pending_row: int = -1
     cumulative_logprob: float = 0.0  # OutputProcessor
+    # OutputProcessor: with structured outputs, the request's place in its grammar (advanced with each
+    # appended token; preemption keeps the tokens, so it keeps this too). Made by LLMEngine.add_request.
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
     logprobs: list = field(default_factory=list)  # OutputProcessor
     first_token_time: float | None = None  # LLMEngine, as it fetches the step that sampled it
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -19,16 +20,24 @@ from tqdm.auto import tqdm
 
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
-from jserve.engine.sampler import SamplerOutput, SamplingRow, build_sampling_batch, init_penalty_state
+from jserve.engine.sampler import (
+    SamplerOutput,
+    SamplingRow,
+    build_sampling_batch,
+    full_bitmask,
+    init_penalty_state,
+)
 from jserve.engine.scheduler import ScheduledSequence
 from jserve.engine.step import PenaltyUpdate, StepInput, init_sampled, jit_engine_step
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
+from jserve.structured import BitmaskFiller
 
 log = logging.getLogger("jserve")
 
 COMPILE_WORKERS = 4  # at most; never more than the CPU cores
+MASK_TIMINGS_KEPT = 10_000
 
 
 class ModelRunner:
@@ -59,6 +68,14 @@ class ModelRunner:
         )
         self.params, self.params_def = jax.tree_util.tree_flatten(model.params)
         self.executables: dict[int, jax.stages.Compiled] = {}
+        # Steps without a grammar share one all-ones bitmask per batch size: never written, so a step still
+        # reading it on the device cannot see a later step's mask.
+        batch_sizes = {config.seq_bucket(bucket) for bucket in config.token_buckets}
+        self._full_bitmasks = {n: full_bitmask(n, model.config.vocab_size) for n in batch_sizes}
+        for mask in self._full_bitmasks.values():
+            mask.flags.writeable = False
+        self.bitmask_filler = BitmaskFiller()
+        self.mask_fill_s: deque[float] = deque(maxlen=MASK_TIMINGS_KEPT)  # host time per constrained step
         # Across hosts the leader tells followers every step it launches (see jserve.parallel.distributed).
         self.broadcast = StepBroadcast(lambda bucket: self.prepare([], bucket)) if is_multi_process() else None
 
@@ -190,12 +207,25 @@ class ModelRunner:
             if s.request.num_pending and s.start + s.num_tokens == s.request.seq_len:
                 pending_rows[end] = s.request.pending_row
 
+        rows = [self._sampling_row(s) for s in sequences]
         return StepInput(
             model=model,
-            sampling=build_sampling_batch([self._sampling_row(s) for s in sequences], num_seqs),
+            sampling=build_sampling_batch(rows, num_seqs, self._token_bitmask(sequences, rows, num_seqs)),
             penalties=PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset),
             pending_rows=pending_rows,
         )
+
+    def _token_bitmask(self, sequences: list[ScheduledSequence], rows: list[SamplingRow], num_seqs: int) -> np.ndarray:
+        """The step's token bitmask: each constrained row's grammar says which tokens may come next."""
+        pairs = enumerate(zip(sequences, rows, strict=True))
+        constrained = [(seq.request.grammar, i) for i, (seq, row) in pairs if row.constrained]
+        if not constrained:
+            return self._full_bitmasks[num_seqs]
+        start = time.perf_counter()
+        bitmask = self._full_bitmasks[num_seqs].copy()  # a fresh array: the device may still read the last one
+        self.bitmask_filler.fill(constrained, bitmask)
+        self.mask_fill_s.append(time.perf_counter() - start)
+        return bitmask
 
     def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
         request = seq.request
@@ -204,4 +234,5 @@ class ModelRunner:
         suppressed: tuple[int, ...] = ()
         if num_output < params.min_tokens:
             suppressed = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else tuple(self.stop_ids))
-        return SamplingRow(params, request.seed, num_output, request.slot, suppressed)
+        constrained = request.grammar is not None and seq.samples
+        return SamplingRow(params, request.seed, num_output, request.slot, suppressed, constrained)

@@ -1,11 +1,12 @@
 """Per-sequence sampling on device, inside the engine's jitted step.
 
 For a padded batch of S sequences the sampler applies, row by row with each row's own options:
-logit_bias → repetition penalty → presence/frequency penalties, then either argmax (temperature 0) or
-temperature → top-k → top-p → min-p → a seeded Gumbel-max draw. Rows never read one another, so a
-request's tokens do not depend on its row or its neighbours; the only batch-wide decisions are whether
-to run the penalty gather, the top-k/top-p sort and the random draw at all (`lax.cond`: skipped when no
-row needs them, which on CPU saves most of the cost of plain greedy or plain temperature batches).
+a grammar's token bitmask (structured outputs) → logit_bias → repetition penalty → presence/frequency
+penalties, then either argmax (temperature 0) or temperature → top-k → top-p → min-p → a seeded
+Gumbel-max draw. Rows never read one another, so a request's tokens do not depend on its row or its
+neighbours; the only batch-wide decisions are whether to apply bitmasks, run the penalty gather, the
+top-k/top-p sort and the random draw at all (`lax.cond`: skipped when no row needs them, which on CPU
+saves most of the cost of plain greedy or plain temperature batches).
 top-k/top-p look at each row's best TOP_HEAD tokens (`lax.top_k`) and sort whole rows only when those do
 not decide a row (k > TOP_HEAD, or a flat distribution whose head holds less than top_p).
 
@@ -39,6 +40,7 @@ __all__ = [
     "SamplingRow",
     "bias_entries",
     "build_sampling_batch",
+    "full_bitmask",
     "init_penalty_state",
     "process_logits",
     "sample",
@@ -73,6 +75,8 @@ class SamplingBatch:
     bias_ids: jax.Array  # [S, BIAS_WIDTH] i32, -1 = unused entry
     bias_values: jax.Array  # [S, BIAS_WIDTH] f32, added to the logit; -inf forbids the token
     wants_top_logprobs: jax.Array  # [S] bool: the request asked for logprobs (its token's and the top ones)
+    token_bitmask: jax.Array  # [S, ceil(V / 32)] i32: bit v % 32 of word v // 32 set = token v allowed
+    constrained: jax.Array  # [S] bool: the row has a grammar (its bitmask is not all ones)
 
 
 @jax.tree_util.register_dataclass
@@ -94,6 +98,7 @@ class SamplingRow:
     step: int  # tokens generated so far
     slot: int
     suppressed_ids: tuple[int, ...] = ()  # ids forbidden this step (EOS/stop ids while min_tokens is unmet)
+    constrained: bool = False  # a grammar's bitmask limits the row's tokens
 
 
 def process_logits(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
@@ -120,7 +125,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
         # Greedy rows see only the bias and penalties: the [S, V] passes of the filters and the noise are
         # skipped at run time when every row is greedy (the common case when serving), and so is the copy
         # of the logits that a bias or penalty is written into when no row has either.
-        adjusted = jnp.any(batch.bias_ids >= 0) | jnp.any(_has_penalty(batch))
+        adjusted = jnp.any(batch.bias_ids >= 0) | jnp.any(_has_penalty(batch)) | jnp.any(batch.constrained)
         return jax.lax.cond(adjusted, lambda: _argmax(_penalised(logits, batch, state)), lambda: _argmax(logits))
 
     token_ids = jax.lax.cond(jnp.all(greedy), pick_greedy, draw)
@@ -149,7 +154,9 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
 
 
 def _penalised(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
-    logits = _apply_bias(jnp.asarray(logits, jnp.float32), batch)
+    logits = jnp.asarray(logits, jnp.float32)
+    logits = jax.lax.cond(jnp.any(batch.constrained), _apply_bitmask, lambda x, _: x, logits, batch.token_bitmask)
+    logits = _apply_bias(logits, batch)
     return apply_penalties(
         logits, state, batch.slots, batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
     )
@@ -179,6 +186,14 @@ def _argmax(x: jax.Array) -> jax.Array:
         return whole_rows()
     # The vectorised maximum may skip NaN; a NaN anywhere (seen in the sum) takes the exact path.
     return jax.lax.cond(jnp.isnan(jnp.sum(x)), whole_rows, by_blocks)
+
+
+def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where the row's bitmask clears the token's bit."""
+    rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(rows, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _apply_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -256,9 +271,15 @@ def bias_entries(params: SamplingParams, suppressed_ids: Sequence[int] = ()) -> 
     return entries
 
 
-def build_sampling_batch(rows: list[SamplingRow], num_seqs: int) -> SamplingBatch:
+def full_bitmask(num_seqs: int, vocab_size: int) -> np.ndarray:
+    """A token bitmask that allows every token in every row."""
+    return np.full((num_seqs, (vocab_size + 31) // 32), -1, np.int32)
+
+
+def build_sampling_batch(rows: list[SamplingRow], num_seqs: int, token_bitmask: np.ndarray) -> SamplingBatch:
     """Packs rows into a SamplingBatch of num_seqs rows (numpy). Padding rows are greedy with every
-    option off, so they cost nothing and stay finite; their tokens are to be ignored."""
+    option off, so they cost nothing and stay finite; their tokens are to be ignored. The token bitmask
+    ([num_seqs, words]) comes filled by the caller for the rows marked constrained, all ones elsewhere."""
     if len(rows) > num_seqs:
         raise ValueError(f"{len(rows)} sequences exceed the batch of {num_seqs}")
 
@@ -285,4 +306,6 @@ def build_sampling_batch(rows: list[SamplingRow], num_seqs: int) -> SamplingBatc
         bias_ids=bias_ids,
         bias_values=bias_values,
         wants_top_logprobs=column(lambda r: r.params.logprobs is not None, False, bool),
+        token_bitmask=token_bitmask,
+        constrained=column(lambda r: r.constrained, False, bool),
     )

@@ -26,6 +26,7 @@ from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.server.commands import AbortRequests, AddRequests, Command, PromptInput, Stop
 from jserve.server.metrics import ServerMetrics
+from jserve.structured import GrammarCompiler
 from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jserve")
@@ -50,6 +51,7 @@ class EngineInfo:
     tokenizer: Tokenizer  # the engine's own (with the server's chat template, if one was given)
     vocab_size: int
     max_model_len: int
+    grammars: GrammarCompiler  # thread-safe: handlers compile off the engine thread, the engine finds them cached
 
 
 class Submission:
@@ -132,7 +134,10 @@ class AsyncEngine:
         self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0, cache_salt: str | None = None
     ) -> Submission:
         """Queue one engine request per prompt; raises RequestError (the engine's validation, naming the
-        field) if any is bad, in which case none is queued."""
+        field) if any is bad, in which case none is queued. A grammar is compiled here, on a worker thread, so
+        a slow one holds up only its own request."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.info.grammars.compile, params.structured_outputs)
         prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         submission = Submission(self, [f"{prefix}-{i}" for i in range(len(prompts))], params.n)
         accepted = submission.loop.create_future()
@@ -168,7 +173,10 @@ class AsyncEngine:
             if self.chat_template is not None:
                 self.engine.tokenizer.chat_template = self.chat_template
             self.info = EngineInfo(
-                self.engine.tokenizer, self.engine.model.config.vocab_size, self.engine.config.max_model_len
+                self.engine.tokenizer,
+                self.engine.model.config.vocab_size,
+                self.engine.config.max_model_len,
+                self.engine.grammars,
             )
         except (JServeError, ValueError) as err:  # a bad model or setting: say what, without a traceback
             log.error("The model failed to load: %s", err)

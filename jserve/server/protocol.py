@@ -11,16 +11,17 @@ from dataclasses import dataclass
 from jserve.errors import RequestError, short_repr
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jserve.server.errors import bad_request
+from jserve.server.response_format import parse_structured_outputs
 
 # Parameters both endpoints take, mapped onto SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
 )  # fmt: skip
-COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", "cache_salt", *SAMPLING_FIELDS}
+COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", "cache_salt",
+                 "response_format", "structured_outputs", *SAMPLING_FIELDS}  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
-                               "add_generation_prompt"}  # fmt: skip
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"}
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 MAX_PROMPTS = 1024  # prompts in one completions request (each is tokenized before the queue limit applies)
 
@@ -70,9 +71,6 @@ def parse_completion(body: dict) -> GenerationRequest:
 
 def parse_chat(body: dict) -> GenerationRequest:
     body = _given(body, CHAT_FIELDS)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
     top_logprobs = body.get("top_logprobs")
     wants_logprobs = _flag(body, "logprobs")
     if top_logprobs is not None and not wants_logprobs:
@@ -124,8 +122,9 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     if isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs > MAX_LOGPROBS:
         raise bad_request(f"at most {MAX_LOGPROBS} logprobs per token are returned, got {logprobs}", "logprobs")
     sampling = {name: body[name] for name in SAMPLING_FIELDS if name in body}
+    structured = parse_structured_outputs(body)
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **sampling)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, **sampling)
     except RequestError as err:
         raise bad_request(str(err), err.param) from None
     stream = _flag(body, "stream")

@@ -1,5 +1,6 @@
 """The two engines behind `Tokenizer`: `tokenizers` (tokenizer.json, GGUF byte-level BPE) and `sentencepiece`."""
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from jserve.errors import ModelLoadError
+from jserve.tokenizer.token_bytes import byte_level_bytes, metaspace_bytes, special_bytes
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -37,6 +39,9 @@ class Backend(Protocol):
     def id_to_token(self, token_id: int) -> str | None: ...
 
     def token_to_id(self, token: str) -> int | None: ...
+
+    def token_bytes(self) -> list[bytes]:
+        """Every id's bytes (see token_bytes.py); special tokens marked, ids without a token empty."""
 
     def surround_with(self, prefix: list[int], suffix: list[int]) -> None:
         """Make `encode(..., add_special_tokens=True)` add these ids."""
@@ -72,6 +77,21 @@ class TokenizersBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._model.token_to_id(token)
+
+    def token_bytes(self) -> list[bytes]:
+        decoder = json.loads(self._model.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        piece_bytes = byte_level_bytes if "ByteLevel" in kinds else metaspace_bytes
+        added = self._model.get_added_tokens_decoder()
+        out = []
+        for i in range(self.vocab_size):
+            if i in added:  # added tokens are stored as their text, not as pieces
+                content = added[i].content
+                out.append(special_bytes(content) if added[i].special else content.encode("utf-8"))
+            else:
+                piece = self._model.id_to_token(i)
+                out.append(b"" if piece is None else piece_bytes(piece))
+        return out
 
     def surround_with(self, prefix: list[int], suffix: list[int]) -> None:
         single = [self._model.id_to_token(i) for i in prefix] + ["$A"] + [self._model.id_to_token(i) for i in suffix]
@@ -176,6 +196,23 @@ class SentencePieceBackend:
         # SentencePiece answers the unknown id for any piece it lacks.
         token_id = self._processor.piece_to_id(token)
         return token_id if self._processor.id_to_piece(token_id) == token else None
+
+    def token_bytes(self) -> list[bytes]:
+        kind = sp_model.ModelProto.SentencePiece
+        out = []
+        for i in range(self.vocab_size):
+            if i in self._added_tokens:
+                token = self._added_tokens[i]
+                out.append(special_bytes(token.content) if token.special else token.content.encode("utf-8"))
+            elif i >= len(self._proto.pieces):
+                out.append(b"")
+            elif (piece := self._proto.pieces[i]).type in (kind.CONTROL, kind.UNKNOWN):
+                out.append(special_bytes(piece.piece))
+            elif piece.type == kind.USER_DEFINED:  # matched whole in text: its text as written
+                out.append(piece.piece.encode("utf-8"))
+            else:
+                out.append(metaspace_bytes(piece.piece))
+        return out
 
     def surround_with(self, prefix: list[int], suffix: list[int]) -> None:
         self._prefix, self._suffix = prefix, suffix

@@ -135,6 +135,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for (what a grammar engine matches); special tokens start with 0xFF."""
+        return self._backend.token_bytes()
+
     def apply_chat_template(
         self,
         messages: list[dict],
