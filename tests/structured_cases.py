@@ -6,6 +6,7 @@ $ref/$defs. Strings and arrays are bounded so a small model's output ends well w
 """
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
+INT = {"type": "integer", "minimum": -999, "maximum": 999}  # unbounded, a small model may write digits forever
 
 SCHEMAS = {
     "person": {
@@ -57,7 +58,10 @@ SCHEMAS = {
         "type": "array",
         "items": {
             "type": "object",
-            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}, "qty": {"type": "integer"}},
+            "properties": {
+                "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+            },
             "required": ["sku", "qty"],
             "additionalProperties": False,
         },
@@ -87,7 +91,9 @@ SCHEMAS = {
     },
     "anyOf": {
         "type": "object",
-        "properties": {"id": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "maxLength": 8}]}},
+        "properties": {
+            "id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 10**6}, {"type": "string", "maxLength": 8}]}
+        },
         "required": ["id"],
         "additionalProperties": False,
     },
@@ -126,7 +132,7 @@ SCHEMAS = {
         "$defs": {
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "properties": {"x": INT, "y": INT},
                 "required": ["x", "y"],
                 "additionalProperties": False,
             }
@@ -149,7 +155,7 @@ SCHEMAS = {
     },
     "map of integers": {
         "type": "object",
-        "properties": {"counts": {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 3}},
+        "properties": {"counts": {"type": "object", "additionalProperties": INT, "maxProperties": 3}},
         "required": ["counts"],
         "additionalProperties": False,
     },

@@ -117,8 +117,10 @@ class OpenAIServer:
             raise APIError(429, f"the queue is full ({limit} sequences waiting); retry later")
         try:
             submission = await self.engine.submit(prompts, gen.params, gen.priority, gen.cache_salt)
-        except RequestError as err:
-            raise bad_request(str(err), err.param) from None
+        except RequestError as err:  # the engine's checks; a grammar that does not compile names the field it came in
+            raise bad_request(
+                str(err), gen.structured_param if err.param == "structured_outputs" else err.param
+            ) from None
         if gen.stream:
             return StreamingResponse(self._stream(submission, builder, gen), media_type="text/event-stream")
         return await self._respond(request, submission, builder)

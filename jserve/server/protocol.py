@@ -44,6 +44,7 @@ class GenerationRequest:
     messages: list[dict] | None = None  # chat
     add_generation_prompt: bool = True
     max_tokens_param: str = "max_tokens"  # the name the client gave it, for errors
+    structured_param: str = "structured_outputs"  # where the client put its output constraint, for errors
 
     @property
     def num_prompts(self) -> int:
@@ -145,7 +146,10 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("cache_salt must be a non-empty string", "cache_salt")
-    return GenerationRequest(model, params, stream, include_usage, priority, salt)
+    request = GenerationRequest(model, params, stream, include_usage, priority, salt)
+    if "response_format" in body:
+        request.structured_param = "response_format"
+    return request
 
 
 def _model(body: dict) -> str | None:
