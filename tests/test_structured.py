@@ -153,6 +153,7 @@ def test_grammars_compile_once_per_spec(llm):
     [
         (dict(regex="a(b"), "invalid regex"),
         (dict(json={"type": "no-such-type"}), "invalid json"),
+        (dict(json={"not": {"type": "string"}}), "Unimplemented"),  # refused, never silently ignored
         (dict(grammar="start: undefined_rule"), "invalid grammar"),
         (dict(json="{not json"), "not valid JSON"),
         (dict(choice=[]), "choice must be"),

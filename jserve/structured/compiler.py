@@ -28,15 +28,14 @@ from jserve.tokenizer import Tokenizer
 log = logging.getLogger("jserve")
 
 CACHE_SIZE = 512  # compiled grammars kept (each holds its lexer: kilobytes to a few megabytes)
+SLOW_COMPILE_S = 0.1  # compilations slower than this are logged at INFO
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
     """A grammar ready to match: each request takes a fresh matcher copied from the compiled one."""
 
-    kind: str
     template: llg.LLMatcher
-    compile_s: float
 
     def matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self.template.deep_copy())
@@ -87,5 +86,6 @@ class GrammarCompiler:
         if matcher.is_error():
             raise RequestError(f"structured outputs: invalid {params.kind}: {matcher.get_error().strip()}", PARAM)
         elapsed = time.perf_counter() - start
-        log.debug("Compiled a %s grammar in %.1f ms", params.kind, elapsed * 1e3)
-        return CompiledGrammar(params.kind, matcher, elapsed)
+        log.log(logging.INFO if elapsed > SLOW_COMPILE_S else logging.DEBUG, "Compiled a %s grammar (%d characters) in "
+                "%.1f ms; %d cached", params.kind, len(params.spec), elapsed * 1e3, len(self._cache))  # fmt: skip
+        return CompiledGrammar(matcher)
