@@ -6,6 +6,7 @@ lowering there, that the Pallas kernel is in it, and that nothing CPU-only (jser
 is the program `benchmarks/roofline.py --model random:llama3-8b` runs on a GPU.
 """
 
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 from jserve import LLM
 from jserve.attention import KVPages, resolve_attention_backend
 from jserve.engine.penalties import init_penalty_state
+from jserve.engine.sampler import full_bitmask
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import abstract_model
 from jserve.models.quantization import QUANTIZATIONS
@@ -43,7 +45,9 @@ def lower_step(runner, platform: str, attention, quantization: str = "none", dty
     penalties = jax.eval_shape(partial(init_penalty_state, runner.config.max_num_seqs, config.vocab_size))
     texts = []
     for bucket in (1, runner.config.token_buckets[-1]):
-        step = runner.prepare([], bucket)
+        step = runner.prepare([], bucket)  # the tiny model's batch: its token bitmask is resized to the 8B vocabulary
+        bitmask = full_bitmask(step.sampling.token_bitmask.shape[0], config.vocab_size)
+        step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask))
         args = (graphdef, attention, params_def, params, kv_cache, penalties, runner.sampled, step)
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
