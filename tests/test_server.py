@@ -237,10 +237,7 @@ def test_completion_validation_errors_are_400(server, body, param, text):
 @pytest.mark.parametrize(
     "body, param",
     [
-        (
-            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-            "response_format",
-        ),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),

@@ -100,7 +100,7 @@ class ModelRunner:
                     self._exchange(bucket, step)
                 lowered = self.step_fn.lower(
                     self.model.graphdef, self.attention, self.params_def, self.params, self.kv_cache,
-                    self.penalty_state, self.sampled, step,
+                    self.penalty_state, self.sampled, self._placed(step),
                 )  # fmt: skip
                 compiling.append((bucket, step, compiler.submit(lowered.compile)))
                 # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
@@ -136,12 +136,17 @@ class ModelRunner:
         return self._execute(bucket, step)
 
     def _execute(self, bucket: int, step: StepInput) -> SamplerOutput:
-        # On one device the executable takes the numpy arrays itself, cheaper than a device_put per array.
-        inputs = step if self.input_sharding is None else jax.device_put(step, self.input_sharding)
+        inputs = self._placed(step)
         out, self.kv_cache, self.penalty_state, self.sampled = self.executables[bucket](
             self.params, self.kv_cache, self.penalty_state, self.sampled, inputs
         )
         return out
+
+    def _placed(self, step: StepInput) -> StepInput:
+        """The step's inputs as the executable takes them: on one device the numpy arrays themselves (cheaper
+        than a device_put per array); with a mesh replicated, as the step was compiled for (left to itself,
+        the compiler would split the token bitmask by vocabulary like the logits it masks)."""
+        return step if self.input_sharding is None else jax.device_put(step, self.input_sharding)
 
     def _exchange(self, bucket: int, step: StepInput) -> None:
         if is_leader():
