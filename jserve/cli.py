@@ -11,6 +11,7 @@ from jserve.config_file import parse_args
 from jserve.engine.args import DTYPES, EngineArgs
 from jserve.errors import JServeError
 from jserve.parallel.distributed import DistributedArgs, is_leader
+from jserve.tools import TOOL_PARSERS
 
 log = logging.getLogger("jserve")
 
@@ -126,6 +127,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("JSERVE_API_KEY"),
         max_queue=args.max_queue,
         chat_template=template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     return serve(EngineArgs.from_cli_args(args), settings, args.host, args.port, args.shutdown_timeout)
 
@@ -154,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     srv.add_argument("--max-queue", type=int, default=1024, help="waiting requests beyond which new ones get 429")
     srv.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    srv.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    srv.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                     help="the format the model writes tool calls in: hermes (Qwen2.5, Hermes, jserve's generic "
+                     "tool prompt), llama3_json (Llama 3.1+), mistral, pythonic (Llama 4, Llama 3.2)")  # fmt: skip
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a stop signal waits for requests in flight before aborting them")  # fmt: skip
     EngineArgs.add_cli_args(srv, positional_model=True)

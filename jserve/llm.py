@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -13,6 +14,11 @@ from jserve.engine.args import EngineArgs
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
+from jserve.tools import get_tool_parser
+from jserve.tools.extract import ToolCalls
+from jserve.tools.forced import forced_constraint
+from jserve.tools.prompt import renders_tools, template_inputs
+from jserve.tools.spec import parse_tool_use
 
 Prompt = str | list[int]
 Messages = list[dict]
@@ -69,11 +75,35 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
+        tool_parser: str = "hermes",
     ) -> list[RequestOutput]:
-        """Reply to one conversation (a list of messages) or to each of several, with the chat template."""
+        """Reply to one conversation (a list of messages) or to each of several, with the chat template.
+
+        With `tools` (OpenAI's format), each finished completion's `tool_calls` holds the calls the model made
+        (read by `tool_parser`, or, for tool_choice "required" or a named function, generated under a grammar
+        of the tools' schemas) and its `text` the content around them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
-        return self._run(prompts, sampling_params, use_tqdm, None)
+        options = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
+        use = parse_tool_use({key: value for key, value in options.items() if value is not None})
+        native = renders_tools(self.tokenizer.chat_template)
+        prompts = []
+        for conversation in conversations:
+            rendered, template_tools = template_inputs(list(conversation), use.tools if use else (), native)
+            prompts.append(self.tokenizer.encode_chat(rendered, add_generation_prompt, tools=template_tools))
+        if use is not None and use.choice.forced:
+            sampling_params = _with_constraint(sampling_params, forced_constraint(use), len(prompts))
+        outputs = self._run(prompts, sampling_params, use_tqdm, None)
+        if use is None:
+            return outputs
+        calls = ToolCalls(use, get_tool_parser(tool_parser))
+        for out in outputs:
+            for i, c in enumerate(out.outputs):
+                parsed = calls.parse(c.text)
+                out.outputs[i] = replace(c, text=parsed.content or "", tool_calls=parsed.tool_calls)
+        return outputs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the completion's text as it is generated (one completion: n must be 1)."""
@@ -134,6 +164,13 @@ class LLM:
                     bar.set_postfix(out_tok_s=f"{generated / (time.perf_counter() - start):.1f}")
         bar.close()
         return [done[i] for i in ids]
+
+
+def _with_constraint(params, constraint, count: int) -> list[SamplingParams]:
+    """Each prompt's params with the output constrained (forced tool calls)."""
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * count
+    return [replace(p, structured_outputs=constraint) for p in params]
 
 
 _engines: dict[str, LLM] = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jserve.tools.calls import ToolCall
+
 
 @dataclass
 class Logprob:
@@ -52,6 +54,8 @@ class CompletionOutput:
     delta: str = ""
     delta_token_ids: list[int] = field(default_factory=list)  # their text may come in a later delta
     delta_logprobs: SampleLogprobs | None = None  # for delta_token_ids; None when logprobs were not asked for
+    # LLM.chat with tools: the calls parsed from the finished text, which is then the content around them
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

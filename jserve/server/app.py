@@ -8,7 +8,7 @@ import hashlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -28,6 +28,11 @@ from jserve.server.metrics import ServerMetrics
 from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_tokenize
 from jserve.server.request_body import read_json_object
 from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from jserve.tools import get_tool_parser
+from jserve.tools.extract import ToolCalls
+from jserve.tools.forced import forced_constraint
+from jserve.tools.prompt import renders_tools, template_inputs
+from jserve.tools.spec import Tool
 
 UNPROTECTED_PATHS = {"/health", "/metrics", "/version"}
 
@@ -39,6 +44,8 @@ class ServerSettings:
     max_queue: int = 1024  # sequences (prompts × n) accepted but not yet generating; beyond it new ones get 429
     max_body_bytes: int = 16 << 20
     chat_template: str | None = None  # overrides the checkpoint's
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, its calls read by the parser
+    tool_call_parser: str | None = None  # one of jserve.tools.TOOL_PARSERS
 
 
 class OpenAIServer:
@@ -61,8 +68,10 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         gen = parse_chat(await self._read_json(request))
         self._check_model(gen.model)
-        prompts = [await run_in_threadpool(self._chat_prompt, gen.messages, gen.add_generation_prompt)]
-        builder = ChatResponses(self.settings.served_model_name, gen.params.n, top_logprobs=gen.params.logprobs or 0)
+        tools = self._tool_calls(gen)
+        tool_list = gen.tool_use.tools if gen.tool_use else ()
+        prompts = [await run_in_threadpool(self._chat_prompt, gen.messages, gen.add_generation_prompt, tool_list)]
+        builder = ChatResponses(self.settings.served_model_name, gen.params.n, gen.params.logprobs or 0, tools)
         return await self._generate(request, gen, prompts, builder)
 
     async def models(self, request: Request) -> Response:
@@ -170,10 +179,28 @@ class OpenAIServer:
                 prompts.append(PromptInput(prompt, tokenizer.decode(prompt) if gen.echo else None))
         return prompts
 
-    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> PromptInput:
+    def _tool_calls(self, gen: GenerationRequest) -> ToolCalls | None:
+        """How the request's output becomes tool calls; a forced call's grammar goes into its params."""
+        use = gen.tool_use
+        if use is None:
+            return None
+        if use.choice.mode == "auto" and not (self.settings.enable_auto_tool_choice and self.settings.tool_call_parser):
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                              "tool_choice")  # fmt: skip
+        if use.choice.forced:
+            if gen.params.structured_outputs is not None:
+                raise bad_request("a forced tool choice cannot be combined with a response format", "tool_choice")
+            gen.params = replace(gen.params, structured_outputs=forced_constraint(use))
+        parser = self.settings.tool_call_parser
+        return ToolCalls(use, get_tool_parser(parser) if parser else None)
+
+    def _chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool, tools: tuple[Tool, ...] = ()
+    ) -> PromptInput:
         tokenizer = self.engine.info.tokenizer
+        messages, template_tools = template_inputs(messages, tools, renders_tools(tokenizer.chat_template))
         try:
-            text, token_ids = tokenizer.encode_chat(messages, add_generation_prompt)
+            text, token_ids = tokenizer.encode_chat(messages, add_generation_prompt, tools=template_tools)
         except ValueError as err:
             raise bad_request(str(err), "messages") from None
         return PromptInput(token_ids, text)

@@ -12,6 +12,7 @@ from jserve.errors import RequestError, short_repr
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jserve.server.errors import bad_request
 from jserve.server.response_format import parse_structured_outputs
+from jserve.tools.spec import ToolUse, parse_tool_use
 
 # Parameters both endpoints take, mapped onto SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
@@ -21,8 +22,12 @@ SAMPLING_FIELDS = (
 COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", "cache_salt",
                  "response_format", "structured_outputs", *SAMPLING_FIELDS}  # fmt: skip
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt"}
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
+                               "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}  # fmt: skip
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+# Message fields read; the openai client's model_dump() adds refusal, audio, annotations and function_call,
+# which are accepted when null (as OpenAI ignores them then).
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 MAX_PROMPTS = 1024  # prompts in one completions request (each is tokenized before the queue limit applies)
 
 
@@ -45,6 +50,7 @@ class GenerationRequest:
     add_generation_prompt: bool = True
     max_tokens_param: str = "max_tokens"  # the name the client gave it, for errors
     structured_param: str = "structured_outputs"  # where the client put its output constraint, for errors
+    tool_use: ToolUse | None = None  # chat: the tools offered and how they may be used
 
     @property
     def num_prompts(self) -> int:
@@ -80,6 +86,10 @@ def parse_chat(body: dict) -> GenerationRequest:
     max_tokens_param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     request = _common(body, logprobs=logprobs, max_tokens=body.get(max_tokens_param))
     request.messages = _messages(body.get("messages"))
+    try:
+        request.tool_use = parse_tool_use(body)
+    except RequestError as err:
+        raise bad_request(str(err), err.param) from None
     request.add_generation_prompt = _flag(body, "add_generation_prompt", default=True)
     request.max_tokens_param = max_tokens_param
     return request
@@ -192,25 +202,61 @@ def _prompts(prompt: object) -> list[Prompt]:
 def _messages(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
+    return [_message(message, i) for i, message in enumerate(messages)]
+
+
+def _message(message: object, i: int) -> dict:
+    if not isinstance(message, dict):
+        raise bad_request(f"messages[{i}] must be an object", "messages")
+    message = {key: value for key, value in message.items() if value is not None}
+    extra = sorted(set(message) - MESSAGE_FIELDS)
+    if extra:
+        hint = "; give calls as tool_calls" if "function_call" in extra else ""
+        raise bad_request(f"messages[{i}]: unsupported field(s) {short_repr(extra)}{hint}", "messages")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in CHAT_ROLES:
+        raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {short_repr(role)}", "messages")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and role != "assistant":
+        raise bad_request(f"messages[{i}]: only assistant messages carry tool_calls", "messages")
+    # An assistant turn that only calls tools has no content; every other turn has some.
+    content = "" if "content" not in message and tool_calls else _content(message.get("content"), i)
+    rendered = {"role": "system" if role == "developer" else role, "content": content}
+    name = message.get("name")
+    if name is not None:  # the participant's name: the chat template may show it (transformers passes it)
+        if not isinstance(name, str):
+            raise bad_request(f"messages[{i}].name must be a string", "messages")
+        rendered["name"] = name
+    if tool_calls is not None:
+        rendered["tool_calls"] = _tool_calls(tool_calls, i)
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise bad_request(f"messages[{i}]: a tool message needs the tool_call_id it answers", "messages")
+        rendered["tool_call_id"] = message["tool_call_id"]
+    return rendered
+
+
+def _tool_calls(calls: object, i: int) -> list[dict]:
+    """An assistant message's calls, as the client sent them back: id, type "function", name, arguments text."""
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
     out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        extra = sorted(set(message) - {"role", "content", "name"})
-        if extra:
-            raise bad_request(f"messages[{i}]: unsupported field(s) {short_repr(extra)}", "messages")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+            or not isinstance(call.get("id", ""), str)
+        ):
             raise bad_request(
-                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {short_repr(role)}", "messages"
+                f"messages[{i}].tool_calls: each call must be {{'id': str, 'type': 'function', 'function': "
+                f"{{'name': str, 'arguments': str}}}}, got {short_repr(call)}",
+                "messages",
             )
-        rendered = {"role": "system" if role == "developer" else role, "content": _content(message.get("content"), i)}
-        name = message.get("name")
-        if name is not None:  # the participant's name: the chat template may show it (transformers passes it)
-            if not isinstance(name, str):
-                raise bad_request(f"messages[{i}].name must be a string", "messages")
-            rendered["name"] = name
-        out.append(rendered)
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": function["name"], "arguments": function["arguments"]}})  # fmt: skip
     return out
 
 

@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from jserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
+from jserve.tools import StreamDelta, ToolCall, ToolCallDelta, ToolStreamer
+from jserve.tools.extract import ToolCalls
 
 
 @dataclass
@@ -127,9 +129,17 @@ class CompletionResponses(ResponseBuilder):
 
 
 class ChatResponses(ResponseBuilder):
+    """Chat responses; with tools, each choice's text becomes content and tool calls (streamed: as they settle)."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+
+    def __init__(self, model: str, n: int, top_logprobs: int = 0, tools: ToolCalls | None = None):
+        super().__init__(model, n, top_logprobs)
+        self.tools = tools
+        self.streamers: dict[int, ToolStreamer] = {}
+        self.calls_sent: dict[int, int] = {}  # choice index -> tool calls streamed so far
 
     def role_chunk(self, num_prompts: int) -> dict:
         """Chat streams open with the assistant role for every choice."""
@@ -140,13 +150,45 @@ class ChatResponses(ResponseBuilder):
 
     def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
         logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs) if c.logprobs is not None else None
-        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}  # fmt: skip
+        message: dict = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if self.tools is not None:
+            parsed = self.tools.parse(c.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
+                finish_reason = "tool_calls"
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": c.stop_reason}  # fmt: skip
 
     def _chunk(self, index, text, tokens, logprobs, finish_reason, offset) -> dict:
         lp = chat_logprobs(tokens, logprobs, self.top_logprobs) if logprobs is not None else None
-        delta = {"content": text} if text else {}
+        delta: dict = {"content": text} if text else {}
+        if self.tools is not None:
+            streamer = self.streamers.setdefault(index, self.tools.streamer())
+            settled = streamer.feed(text)
+            if finish_reason is not None:
+                rest = streamer.finish()
+                settled = StreamDelta(settled.content + rest.content, settled.tool_calls + rest.tool_calls)
+            delta = {"content": settled.content} if settled.content else {}
+            if settled.tool_calls:
+                delta["tool_calls"] = [_tool_call_delta(d) for d in settled.tool_calls]
+                self.calls_sent[index] = self.calls_sent.get(index, 0) + len(settled.tool_calls)
+            if finish_reason is not None and self.calls_sent.get(index):
+                finish_reason = "tool_calls"
         return self._envelope([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
+
+
+def _tool_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _tool_call_delta(d: ToolCallDelta) -> dict:
+    """OpenAI's streamed call: the first delta of a call names it; later ones append to its arguments."""
+    out: dict = {"index": d.index, "function": {"arguments": d.arguments}}
+    if d.id is not None:
+        out |= {"id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}
+    return out
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], offset: int) -> dict:

@@ -1,0 +1,52 @@
+"""ToolCalls: one request's way from generated text to content and tool calls, whole or streamed.
+
+Forced calls (tool_choice "required" or named) were generated under a JSON grammar (forced.py) and are read
+as JSON once the output is complete; "auto" goes through the server's tool-call parser; "none" leaves the
+text as it is.
+"""
+
+from __future__ import annotations
+
+from jserve.tools.calls import ParsedOutput, StreamDelta, ToolCallDelta, ToolParser, ToolStreamer
+from jserve.tools.forced import forced_calls
+from jserve.tools.spec import ToolUse
+
+
+class ToolCalls:
+    def __init__(self, use: ToolUse, parser: ToolParser | None):
+        self.use, self.parser = use, parser
+
+    def parse(self, text: str) -> ParsedOutput:
+        if self.use.choice.forced:
+            calls = forced_calls(text, self.use)
+            return ParsedOutput(None, calls) if calls else ParsedOutput(text or None, [])
+        if self.use.choice.mode == "auto" and self.parser is not None:
+            return self.parser.parse(text)
+        return ParsedOutput(text or None, [])
+
+    def streamer(self) -> ToolStreamer:
+        if self.use.choice.forced:
+            return _WholeOutput(self)
+        if self.use.choice.mode == "auto" and self.parser is not None:
+            return self.parser.streamer()
+        return _WholeOutput(None)
+
+
+class _WholeOutput(ToolStreamer):
+    """Streams plain text as it comes (no tools), or holds a forced output back until it is complete."""
+
+    def __init__(self, calls: ToolCalls | None):
+        self._calls, self._text = calls, ""
+
+    def feed(self, delta: str) -> StreamDelta:
+        if self._calls is None:
+            return StreamDelta(delta, [])
+        self._text += delta
+        return StreamDelta("", [])
+
+    def finish(self) -> StreamDelta:
+        if self._calls is None:
+            return StreamDelta("", [])
+        parsed = self._calls.parse(self._text)
+        deltas = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(parsed.tool_calls)]
+        return StreamDelta(parsed.content or "", deltas)
