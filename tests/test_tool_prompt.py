@@ -110,3 +110,15 @@ def test_streamed_forced_and_plain_outputs_add_up_to_the_whole():
         assert "".join(p.content for p in pieces) == (whole.content or "")
         streamed = [(d.name, d.arguments) for p in pieces for d in p.tool_calls]
         assert streamed == [(c.name, c.arguments) for c in whole.tool_calls]
+
+
+def test_parallel_calls_off_keeps_the_first_call_of_auto():
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", ' \
+        '"arguments": {"city": "Rome"}}</tool_call>'  # fmt: skip
+    for parallel, names in ((True, ["get_time", "get_weather"]), (False, ["get_time"])):
+        calls = ToolCalls(parse_tool_use({"tools": [WEATHER, TIME], "parallel_tool_calls": parallel}),
+                          get_tool_parser("hermes"))  # fmt: skip
+        assert [c.name for c in calls.parse(text).tool_calls] == names
+        streamer = calls.streamer()
+        deltas = [d for ch in text for d in streamer.feed(ch).tool_calls] + streamer.finish().tool_calls
+        assert [d.name for d in deltas if d.name] == names

@@ -1,8 +1,8 @@
 """ToolCalls: one request's way from generated text to content and tool calls, whole or streamed.
 
 Forced calls (tool_choice "required" or named) were generated under a JSON grammar (forced.py) and are read
-as JSON once the output is complete; "auto" goes through the server's tool-call parser; "none" leaves the
-text as it is.
+as JSON once the output is complete; "auto" goes through the server's tool-call parser (keeping only the
+first call when parallel tool calls are off); "none" leaves the text as it is.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ class ToolCalls:
             calls = forced_calls(text, self.use)
             return ParsedOutput(None, calls) if calls else ParsedOutput(text or None, [])
         if self.use.choice.mode == "auto" and self.parser is not None:
-            return self.parser.parse(text)
+            parsed = self.parser.parse(text)
+            return parsed if self.use.parallel else ParsedOutput(parsed.content, parsed.tool_calls[:1])
         return ParsedOutput(text or None, [])
 
     def streamer(self) -> ToolStreamer:
         if self.use.choice.forced:
             return _WholeOutput(self)
         if self.use.choice.mode == "auto" and self.parser is not None:
-            return self.parser.streamer()
+            return self.parser.streamer() if self.use.parallel else _FirstCall(self.parser.streamer())
         return _WholeOutput(None)
 
 
@@ -50,3 +51,20 @@ class _WholeOutput(ToolStreamer):
         parsed = self._calls.parse(self._text)
         deltas = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(parsed.tool_calls)]
         return StreamDelta(parsed.content or "", deltas)
+
+
+class _FirstCall(ToolStreamer):
+    """A parser's stream with the calls after the first dropped (parallel tool calls off)."""
+
+    def __init__(self, streamer: ToolStreamer):
+        self._streamer = streamer
+
+    def feed(self, delta: str) -> StreamDelta:
+        return self._first(self._streamer.feed(delta))
+
+    def finish(self) -> StreamDelta:
+        return self._first(self._streamer.finish())
+
+    @staticmethod
+    def _first(delta: StreamDelta) -> StreamDelta:
+        return StreamDelta(delta.content, [d for d in delta.tool_calls if d.index == 0])
