@@ -69,5 +69,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    # with SamplingParams.prompt_logprobs, once the prompt is scored: None for the first token, then per token
+    # its own logprob and the top alternatives, by token id
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -50,6 +50,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives to return per token; None = no logprobs
+    prompt_logprobs: int | None = None  # the same for each prompt token (scored by the model); None = none
     logit_bias: Mapping[int | str, float] | None = None  # token id -> bias added to its logit
     skip_special_tokens: bool = True
     # the output must match a JSON schema, regex, choice or grammar (a dict is read as its fields)
@@ -58,6 +59,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         max_tokens = None if self.max_tokens is None else _integer("max_tokens", self.max_tokens, low=1)
         logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is not None:  # vLLM's -1 (the whole vocabulary) is refused: MAX_LOGPROBS at most
+            prompt_logprobs = _integer("prompt_logprobs", prompt_logprobs, low=0, high=MAX_LOGPROBS)
         min_tokens = _integer("min_tokens", self.min_tokens, low=0)
         if max_tokens is not None and min_tokens > max_tokens:
             raise RequestError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
@@ -77,6 +81,7 @@ class SamplingParams:
             "min_tokens": min_tokens,
             "ignore_eos": _boolean("ignore_eos", self.ignore_eos),
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "logit_bias": _logit_bias(self.logit_bias),
             "skip_special_tokens": _boolean("skip_special_tokens", self.skip_special_tokens),
             "structured_outputs": _structured(self.structured_outputs),

@@ -15,6 +15,7 @@ from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput, bias_entries
@@ -43,6 +44,7 @@ class LaunchedStep:
     sequences: list[ScheduledSequence]
     samples: list[bool]
     out: SamplerOutput
+    scores: PromptScores  # by position in the step's tokens
 
     @property
     def constrained(self) -> bool:
@@ -243,9 +245,10 @@ class LLMEngine:
         order, so the next step may already read these K/V pages and (by row) these samples. The request's
         owners record it: KVManager its computed tokens, OutputProcessor its pending samples."""
         before = compile_count()
-        sequences, out = self._dispatch(sequences, changed)
-        if out is None:
+        sequences, launched = self._dispatch(sequences, changed)
+        if launched is None:
             return None
+        out, scores = launched
         samples = [seq.samples for seq in sequences]
         self.timeline.launched(time.perf_counter(), out.token_ids, self._busy)
         if compile_count() != before:
@@ -260,9 +263,11 @@ class LLMEngine:
             self.scheduler.kv.advance(request, seq.num_tokens)
             if sampled:
                 self.outputs.launched(request, row)
-        return LaunchedStep(sequences, samples, out)
+        return LaunchedStep(sequences, samples, out, scores)
 
-    def _dispatch(self, sequences: list[ScheduledSequence], changed: set[str]) -> tuple[list, SamplerOutput | None]:
+    def _dispatch(
+        self, sequences: list[ScheduledSequence], changed: set[str]
+    ) -> tuple[list, tuple[SamplerOutput, PromptScores] | None]:
         """The runner's launch, isolating the culprit if it fails: the requests whose own rows cannot be
         prepared fail, and the rest launch again. A failure no single row explains (the device, the
         executable) is not one request's fault, and is raised."""
@@ -289,6 +294,7 @@ class LLMEngine:
         start = time.perf_counter()
         samples = jax.device_get(step.out)
         waited = time.perf_counter() - start
+        waited += self._record_prompt_scores(step)
         stats = self.stats
         now = time.monotonic()
         for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
@@ -311,6 +317,21 @@ class LLMEngine:
         running = len(scheduler.running)
         kv_used = scheduler.num_used_pages / scheduler.pool.num_pages
         stats.maybe_log(running, scheduler.num_unfinished - running, kv_used)
+        return waited
+
+    def _record_prompt_scores(self, step: LaunchedStep) -> float:
+        """Hand the step's prompt scores to the requests that score their prompt (fetched only if there are
+        any); returns the seconds spent waiting for them."""
+        offsets = np.cumsum([0] + [seq.num_tokens for seq in step.sequences])
+        scored = [(offset, seq) for offset, seq in zip(offsets, step.sequences, strict=False)
+                  if seq.request.params.prompt_logprobs is not None and not seq.request.is_finished]  # fmt: skip
+        if not scored:
+            return 0.0
+        start = time.perf_counter()
+        scores = jax.device_get(step.scores)
+        waited = time.perf_counter() - start
+        for offset, seq in scored:
+            self.outputs.record_prompt_scores(seq.request, scores, int(offset), seq.start, seq.num_tokens)
         return waited
 
     def sync_stats(self) -> EngineStats:
@@ -336,6 +357,7 @@ class LLMEngine:
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=self.outputs.prompt_logprobs(parent.children[0]),
             outputs=completions,
             finished=parent.finished,
             num_cached_tokens=max(c.num_cached_tokens for c in parent.children),

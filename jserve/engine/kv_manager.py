@@ -54,9 +54,11 @@ class KVManager:
         return self.cache.match_prefix(request.token_buffer[: request.num_tokens - 1], request.cache_salt)
 
     def _reads_cache(self, request: Request) -> bool:
-        """Caching is on, and the request's penalties (if any) do not need every token of its history to
-        pass through a step."""
-        return self.cache is not None and not request.params.uses_penalties
+        """Caching is on, and neither the request's penalties nor its prompt logprobs need every token of its
+        history to pass through a step (scoring a cached prefix again costs what computing it costs, and a
+        request that scores its prompt is usually alone in reading it)."""
+        params = request.params
+        return self.cache is not None and not params.uses_penalties and params.prompt_logprobs is None
 
     # --- a request's pages -----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.request import Request
 from jserve.engine.sampler import SamplerOutput
 from jserve.outputs import CompletionOutput, Logprob
@@ -30,6 +31,7 @@ class CompletionState:
     sent: list[str] = field(default_factory=list)  # the deltas carried so far, joined once it finishes
     tokens_sent: int = 0  # output tokens (and logprob entries) carried so far
     final: CompletionOutput | None = None  # once its finished output is made: what later outputs repeat
+    prompt_logprobs: list | None = None  # built once the whole prompt is scored
 
 
 class OutputProcessor:
@@ -69,6 +71,35 @@ class OutputProcessor:
         if finish is not None and not isinstance(finish[1], str):
             state.unsent += state.detokenizer.flush()  # bytes held back for a character that never completed
         return finish
+
+    def record_prompt_scores(self, request: Request, scores: PromptScores, offset: int, start: int, count: int) -> None:
+        """Keep the scores of a chunk of the prompt (positions start.. start + count, at offset in the step's
+        tokens). A chunk computed again after preemption is not recorded twice."""
+        stop = min(start + count, request.num_prompt_tokens - 1)  # the last prompt token has no successor here
+        first = max(start, request.num_prompt_scored)
+        if stop <= first:
+            return
+        rows = slice(offset + first - start, offset + stop - start)
+        request.prompt_scores.append(
+            (scores.logprob[rows], scores.rank[rows], scores.top_ids[rows], scores.top_logprobs[rows])
+        )
+        request.num_prompt_scored = stop
+
+    def prompt_logprobs(self, request: Request) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs of the request, once its whole prompt is scored (None before, and without)."""
+        top_n = request.params.prompt_logprobs
+        state = self.states.get(request.request_id)
+        if top_n is None or state is None or request.num_prompt_scored < request.num_prompt_tokens - 1:
+            return None
+        if state.prompt_logprobs is None:
+            entries: list[dict[int, Logprob] | None] = [None]
+            targets = request.prompt_token_ids[1:]
+            columns = [np.concatenate(parts) for parts in zip(*request.prompt_scores, strict=True)] if targets else []
+            for i, target in enumerate(targets):
+                logprob, rank, top_ids, top_logprobs = (column[i] for column in columns)
+                entries.append(self._entry(target, float(logprob), int(rank), top_ids, top_logprobs, top_n))
+            state.prompt_logprobs = entries
+        return state.prompt_logprobs
 
     def completion(self, request: Request) -> CompletionOutput:
         """The request's output for this step: what it adds since the last one and, once the request has
@@ -134,7 +165,14 @@ class OutputProcessor:
     def _logprobs(self, token: int, samples: SamplerOutput, row: int, top_n: int) -> dict[int, Logprob]:
         top_ids, top_lps = samples.top_ids[row], samples.top_logprobs[row]
         ranks = np.flatnonzero(top_ids == token)
-        entry = {token: Logprob(float(samples.logprobs[row]), int(ranks[0]) + 1 if len(ranks) else None)}
+        rank = int(ranks[0]) + 1 if len(ranks) else None  # known when the token is among the top ones
+        return self._entry(token, float(samples.logprobs[row]), rank, top_ids, top_lps, top_n)
+
+    def _entry(
+        self, token: int, logprob: float, rank: int | None, top_ids: np.ndarray, top_lps: np.ndarray, top_n: int
+    ) -> dict[int, Logprob]:
+        """A token's logprob entry: the token itself, then the top_n most likely, with their decoded text."""
+        entry = {token: Logprob(logprob, rank)}
         for rank, (tid, lp) in enumerate(zip(top_ids[:top_n].tolist(), top_lps[:top_n].tolist(), strict=True), 1):
             entry.setdefault(tid, Logprob(lp, rank))
         for tid, lp in entry.items():

@@ -78,6 +78,9 @@ class Request:
     # appended token; preemption keeps the tokens, so it keeps this too). Made by LLMEngine.add_request.
     grammar: GrammarMatcher | None = field(default=None, repr=False)
     logprobs: list = field(default_factory=list)  # OutputProcessor
+    # OutputProcessor: with prompt_logprobs, the prompt's scores so far, chunk by chunk (see record_prompt_scores)
+    prompt_scores: list = field(default_factory=list, repr=False)
+    num_prompt_scored: int = 0  # OutputProcessor: prompt positions scored (each scores the token after it)
     first_token_time: float | None = None  # LLMEngine, as it fetches the step that sampled it
 
     def __post_init__(self):

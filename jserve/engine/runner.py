@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
+from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.sampler import (
     SamplerOutput,
     SamplingRow,
@@ -57,9 +58,9 @@ class ModelRunner:
         )
         self.sampled = jax.device_put(init_sampled(config.seq_bucket(config.token_buckets[-1])), self.input_sharding)
         self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
-        # Samples, penalty state and sampled ids replicated, the cache as allocated.
+        # Samples, prompt scores, penalty state and sampled ids replicated, the cache as allocated.
         replicated = self.input_sharding
-        self.step_fn = jit_engine_step((replicated, kv_sharding, replicated, replicated) if mesh else None)
+        self.step_fn = jit_engine_step((replicated, replicated, kv_sharding, replicated, replicated) if mesh else None)
         log.info(
             "Attention: %s%s%s",
             self.attention.kernel,
@@ -126,21 +127,22 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.config.token_buckets if b >= num_tokens)
 
-    def launch(self, sequences: list[ScheduledSequence]) -> SamplerOutput:
-        """Dispatch one step and return at once: its samples (row i for sequences[i]) are device arrays
-        until fetched. Reads the requests' pending rows, so it runs before the engine marks new ones."""
+    def launch(self, sequences: list[ScheduledSequence]) -> tuple[SamplerOutput, PromptScores]:
+        """Dispatch one step and return at once: its samples (row i for sequences[i]) and prompt scores (by
+        position in the step's tokens) are device arrays until fetched. Reads the requests' pending rows, so
+        it runs before the engine marks new ones."""
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
         step = self.prepare(sequences, bucket)
         if self.broadcast:
             self.broadcast.send(bucket, step)
         return self._execute(bucket, step)
 
-    def _execute(self, bucket: int, step: StepInput) -> SamplerOutput:
+    def _execute(self, bucket: int, step: StepInput) -> tuple[SamplerOutput, PromptScores]:
         inputs = self._placed(step)
-        out, self.kv_cache, self.penalty_state, self.sampled = self.executables[bucket](
+        out, scores, self.kv_cache, self.penalty_state, self.sampled = self.executables[bucket](
             self.params, self.kv_cache, self.penalty_state, self.sampled, inputs
         )
-        return out
+        return out, scores
 
     def _placed(self, step: StepInput) -> StepInput:
         """The step's inputs as the executable takes them: on one device the numpy arrays themselves (cheaper
@@ -212,12 +214,21 @@ class ModelRunner:
             if s.request.num_pending and s.start + s.num_tokens == s.request.seq_len:
                 pending_rows[end] = s.request.pending_row
 
+        # A chunk of a prompt being scored scores each of its tokens' successor in the prompt.
+        targets = np.full(bucket, -1, np.int32)
+        for start, s in zip(ends - lens + 1, sequences, strict=True):
+            request = s.request
+            if request.params.prompt_logprobs is not None:
+                stop = min(s.start + s.num_tokens, request.num_prompt_tokens - 1)  # positions with a next token
+                if stop > s.start:
+                    targets[start : start + stop - s.start] = request.token_buffer[s.start + 1 : stop + 1]
         rows = [self._sampling_row(s) for s in sequences]
         return StepInput(
             model=model,
             sampling=build_sampling_batch(rows, num_seqs, self._token_bitmask(sequences, rows, num_seqs)),
             penalties=PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset),
             pending_rows=pending_rows,
+            prompt_targets=targets,
         )
 
     def _token_bitmask(self, sequences: list[ScheduledSequence], rows: list[SamplingRow], num_seqs: int) -> np.ndarray:

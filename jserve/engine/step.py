@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve.attention import AttentionBackend, KVCache, ModelInput
+from jserve.engine.prompt_logprobs import PromptScores, score_positions
 from jserve.engine.sampler import PenaltyState, SamplerOutput, SamplingBatch, sample, update_penalty_state
-from jserve.models import forward
+from jserve.models.forward import forward_states
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +39,7 @@ class StepInput:
     sampling: SamplingBatch
     penalties: PenaltyUpdate
     pending_rows: jax.Array  # [T] i32: -1, or the row of the previous step's samples that is this token
+    prompt_targets: jax.Array  # [T] i32: the prompt token that follows this one, to score; -1: none
 
 
 def init_sampled(num_rows: int) -> jax.Array:
@@ -54,18 +56,19 @@ def engine_step(
     penalty_state: PenaltyState,
     sampled: jax.Array,
     step: StepInput,
-) -> tuple[SamplerOutput, KVCache, PenaltyState, jax.Array]:
+) -> tuple[SamplerOutput, PromptScores, KVCache, PenaltyState, jax.Array]:
     rows = step.pending_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], step.model.token_ids)
     model_input = replace(step.model, token_ids=token_ids)
     params_tree = jax.tree_util.tree_unflatten(params_def, params)
-    logits, kv_cache = forward(graphdef, params_tree, kv_cache, model_input, attention)
+    logits, hidden, head, kv_cache = forward_states(graphdef, params_tree, kv_cache, model_input, attention)
+    scores = score_positions(head, hidden, step.prompt_targets)
     p = step.penalties
     penalty_state = update_penalty_state(
         penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
     )
     out = sample(logits, step.sampling, penalty_state)
-    return out, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
+    return out, scores, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
 
 
 def jit_engine_step(out_shardings=None):

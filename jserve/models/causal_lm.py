@@ -46,6 +46,14 @@ class CausalLM(nnx.Module):
         self, batch: ModelInput, kv_cache: KVCache, attention: AttentionBackend = REFERENCE
     ) -> tuple[jax.Array, KVCache]:
         """Run the batch's tokens, write their K/V; returns float32 logits [L, vocab] at batch.logits_indices."""
+        hidden, kv_cache = self.hidden_states(batch, kv_cache, attention)
+        return self.logits(hidden[batch.logits_indices]), kv_cache
+
+    def hidden_states(
+        self, batch: ModelInput, kv_cache: KVCache, attention: AttentionBackend = REFERENCE
+    ) -> tuple[jax.Array, KVCache]:
+        """Run the batch's tokens, write their K/V; returns the last layer's output [T, hidden] (before the final
+        norm, which the head applies)."""
         meta = batch.attention
         rope = rope_angles(meta.positions, inverse_frequencies(self.config))  # a trace-time constant
         x = self.embed_tokens(batch.token_ids)
@@ -53,12 +61,15 @@ class CausalLM(nnx.Module):
         for layer, kv in zip(self.layers, kv_cache, strict=True):
             x, kv = _run_layer(*nnx.split(layer), x, rope, kv, meta, attention)
             new_cache.append(kv)
-        hidden = x[batch.logits_indices]
+        return x, tuple(new_cache)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 next-token logits [N, vocab] of hidden states [N, hidden]: the final norm and the head."""
         if self.lm_head is None:
             logits = self.embed_tokens.attend(hidden, self.norm)
         else:
             logits = self.lm_head(hidden, norm=self.norm)
-        return logits.astype(jnp.float32), tuple(new_cache)
+        return logits.astype(jnp.float32)
 
 
 # Jitted so that a step traces and lowers one decoder layer and calls it from every layer (their structure

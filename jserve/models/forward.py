@@ -8,6 +8,8 @@ very function the engine runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 from flax import nnx
 
@@ -18,4 +20,15 @@ def forward(
     graphdef: nnx.GraphDef, params: nnx.State, kv_cache: KVCache, batch: ModelInput, attention: AttentionBackend
 ) -> tuple[jax.Array, KVCache]:
     """-> (float32 logits [L, vocab] at batch.logits_indices, the KV cache with the batch's K/V written)."""
-    return nnx.merge(graphdef, params)(batch, kv_cache, attention)
+    logits, _, _, kv_cache = forward_states(graphdef, params, kv_cache, batch, attention)
+    return logits, kv_cache
+
+
+def forward_states(
+    graphdef: nnx.GraphDef, params: nnx.State, kv_cache: KVCache, batch: ModelInput, attention: AttentionBackend
+) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array], KVCache]:
+    """forward, also giving every token's hidden state [T, hidden] and the head that turns hidden states into
+    float32 logits (for scoring prompt tokens)."""
+    model = nnx.merge(graphdef, params)
+    hidden, kv_cache = model.hidden_states(batch, kv_cache, attention)
+    return model.logits(hidden[batch.logits_indices]), hidden, model.logits, kv_cache
