@@ -62,7 +62,11 @@ class OpenAIServer:
         self._check_model(gen.model)
         prompts = await run_in_threadpool(self._completion_prompts, gen)
         echo = [p.text or "" for p in prompts] if gen.echo else None
-        builder = CompletionResponses(self.settings.served_model_name, gen.params.n, echo_texts=echo)
+        tokenizer = self.engine.info.tokenizer
+        builder = CompletionResponses(
+            self.settings.served_model_name, gen.params.n, echo_texts=echo, prompt_logprobs=gen.return_prompt_logprobs,
+            prompt_only=gen.prompt_only, decode=lambda t: tokenizer.decode([t], skip_special_tokens=False),
+        )  # fmt: skip
         return await self._generate(request, gen, prompts, builder)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -71,7 +75,8 @@ class OpenAIServer:
         tools = self._tool_calls(gen)
         tool_list = gen.tool_use.tools if gen.tool_use else ()
         prompts = [await run_in_threadpool(self._chat_prompt, gen.messages, gen.add_generation_prompt, tool_list)]
-        builder = ChatResponses(self.settings.served_model_name, gen.params.n, gen.params.logprobs or 0, tools)
+        builder = ChatResponses(self.settings.served_model_name, gen.params.n, gen.params.logprobs or 0, tools,
+                                prompt_logprobs=gen.return_prompt_logprobs)  # fmt: skip
         return await self._generate(request, gen, prompts, builder)
 
     async def models(self, request: Request) -> Response:

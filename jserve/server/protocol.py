@@ -18,6 +18,7 @@ from jserve.tools.spec import ToolUse, parse_tool_use
 SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
+    "prompt_logprobs",
 )  # fmt: skip
 COMMON_FIELDS = {"model", "max_tokens", "stream", "stream_options", "user", "priority", "cache_salt",
                  "response_format", "structured_outputs", *SAMPLING_FIELDS}  # fmt: skip
@@ -49,6 +50,8 @@ class GenerationRequest:
     messages: list[dict] | None = None  # chat
     add_generation_prompt: bool = True
     max_tokens_param: str = "max_tokens"  # the name the client gave it, for errors
+    prompt_only: bool = False  # completions with max_tokens 0 and echo: the prompt's scores, nothing generated
+    return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: each choice carries them
     structured_param: str = "structured_outputs"  # where the client put its output constraint, for errors
     tool_use: ToolUse | None = None  # chat: the tools offered and how they may be used
 
@@ -63,11 +66,21 @@ def parse_completion(body: dict) -> GenerationRequest:
         raise bad_request("suffix is not supported", "suffix")
     logprobs = body.get("logprobs")
     echo = _flag(body, "echo")
-    if echo and logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which jserve does not compute", "echo")
-    request = _common(body, logprobs=logprobs, max_tokens=body.get("max_tokens", 16))
+    max_tokens = body.get("max_tokens", 16)
+    prompt_only = max_tokens == 0 and not isinstance(max_tokens, bool)
+    if prompt_only and not echo:
+        raise bad_request("max_tokens 0 returns only the prompt: it needs echo", "max_tokens")
+    if echo and logprobs is not None and body.get("stream"):
+        raise bad_request("streaming echo with logprobs is not supported; ask without stream", "stream")
+    asked_prompt_logprobs = "prompt_logprobs" in body
+    if echo and logprobs is not None and not asked_prompt_logprobs:  # the echoed prompt's tokens are scored
+        body = body | {"prompt_logprobs": logprobs}
+    # nothing is generated for max_tokens 0: one token is, and dropped from the response
+    request = _common(body, logprobs=logprobs, max_tokens=1 if prompt_only else max_tokens)
     request.prompts = _prompts(body.get("prompt"))
     request.echo = echo
+    request.prompt_only = prompt_only
+    request.return_prompt_logprobs = asked_prompt_logprobs
     best_of = body.get("best_of")
     if best_of is not None and best_of != request.params.n:
         raise bad_request(
@@ -157,6 +170,7 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("cache_salt must be a non-empty string", "cache_salt")
     request = GenerationRequest(model, params, stream, include_usage, priority, salt)
+    request.return_prompt_logprobs = "prompt_logprobs" in body
     if "response_format" in body:
         request.structured_param = "response_format"
     return request

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jserve.outputs import CompletionOutput, Logprob, RequestOutput, SampleLogprobs
@@ -35,11 +36,14 @@ class ResponseBuilder(abc.ABC):
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, model: str, n: int, top_logprobs: int = 0, echo_texts: list[str] | None = None):
+    def __init__(self, model: str, n: int, top_logprobs: int = 0, echo_texts: list[str] | None = None,
+                 prompt_logprobs: bool = False):  # fmt: skip
+        """`prompt_logprobs`: each choice carries vLLM's `prompt_logprobs` field."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.n, self.top_logprobs = model, n, top_logprobs
         self.echo_texts = echo_texts
+        self.prompt_logprobs = prompt_logprobs
         self.progress: dict[int, ChoiceProgress] = {}
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
@@ -67,7 +71,10 @@ class ResponseBuilder(abc.ABC):
             self._record(prompt_index, out)
             for c in out.outputs:
                 echo = self.echo_texts[prompt_index] if self.echo_texts else ""
-                choices.append(self._choice(prompt_index * self.n + c.index, c, echo))
+                choice = self._choice(prompt_index * self.n + c.index, c, echo, out)
+                if self.prompt_logprobs:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
+                choices.append(choice)
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}  # fmt: skip
 
@@ -106,7 +113,7 @@ class ResponseBuilder(abc.ABC):
                 "choices": choices}  # fmt: skip
 
     @abc.abstractmethod
-    def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
+    def _choice(self, index: int, c: CompletionOutput, echo: str, out: RequestOutput) -> dict:
         """One choice of a whole response."""
 
     @abc.abstractmethod
@@ -115,13 +122,36 @@ class ResponseBuilder(abc.ABC):
 
 
 class CompletionResponses(ResponseBuilder):
+    """Completions; with echo the prompt comes first (its tokens scored too when logprobs are asked), and
+    with `prompt_only` (max_tokens 0) nothing else: the one token generated is dropped."""
+
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
-        logprobs = completion_logprobs(c.token_ids, c.logprobs, len(echo)) if c.logprobs is not None else None
-        return {"index": index, "text": echo + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}  # fmt: skip
+    def __init__(self, *args, prompt_only: bool = False, decode: Callable[[int], str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prompt_only, self.decode = prompt_only, decode
+
+    def _record(self, prompt_index: int, out: RequestOutput) -> None:
+        super()._record(prompt_index, out)
+        if self.prompt_only:
+            for c in out.outputs:
+                self.completion_tokens[prompt_index * self.n + c.index] = 0
+
+    def _choice(self, index: int, c: CompletionOutput, echo: str, out: RequestOutput) -> dict:
+        text, token_ids, logprobs = c.text, c.token_ids, c.logprobs
+        finish_reason, stop_reason = c.finish_reason, c.stop_reason
+        if self.prompt_only:
+            text, token_ids, logprobs = "", [], [] if logprobs is not None else None
+            finish_reason, stop_reason = "length", None
+        shape = None
+        if logprobs is not None:
+            shape = completion_logprobs(token_ids, logprobs, len(echo))
+            if echo and out.prompt_logprobs is not None:
+                prompt = echoed_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.decode)
+                shape = {key: prompt[key] + shape[key] for key in shape}
+        return {"index": index, "text": echo + text, "logprobs": shape, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}  # fmt: skip
 
     def _chunk(self, index, text, tokens, logprobs, finish_reason, offset) -> dict:
         lp = completion_logprobs(tokens, logprobs, offset) if logprobs is not None else None
@@ -135,8 +165,9 @@ class ChatResponses(ResponseBuilder):
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model: str, n: int, top_logprobs: int = 0, tools: ToolCalls | None = None):
-        super().__init__(model, n, top_logprobs)
+    def __init__(self, model: str, n: int, top_logprobs: int = 0, tools: ToolCalls | None = None,
+                 prompt_logprobs: bool = False):  # fmt: skip
+        super().__init__(model, n, top_logprobs, prompt_logprobs=prompt_logprobs)
         self.tools = tools
         self.streamers: dict[int, ToolStreamer] = {}
         self.calls_sent: dict[int, int] = {}  # choice index -> tool calls streamed so far
@@ -148,7 +179,7 @@ class ChatResponses(ResponseBuilder):
             for i in range(num_prompts * self.n)
         ])  # fmt: skip
 
-    def _choice(self, index: int, c: CompletionOutput, echo: str) -> dict:
+    def _choice(self, index: int, c: CompletionOutput, echo: str, out: RequestOutput) -> dict:
         logprobs = chat_logprobs(c.token_ids, c.logprobs, self.top_logprobs) if c.logprobs is not None else None
         message: dict = {"role": "assistant", "content": c.text}
         finish_reason = c.finish_reason
@@ -205,6 +236,30 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
         offsets.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def echoed_prompt_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob] | None], decode: Callable[[int], str]
+) -> dict:
+    """The prompt's part of an echo's completions logprobs: its first token has no logprob (null)."""
+    scored = completion_logprobs(token_ids[1:], logprobs[1:], len(decode(token_ids[0])))
+    return {
+        "tokens": [decode(token_ids[0]), *scored["tokens"]],
+        "token_logprobs": [None, *scored["token_logprobs"]],
+        "top_logprobs": [None, *scored["top_logprobs"]],
+        "text_offset": [0, *scored["text_offset"]],
+    }
+
+
+def vllm_prompt_logprobs(logprobs: list[dict[int, Logprob] | None] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` choice field: per prompt token, {token id: {logprob, rank, decoded_token}}."""
+    if logprobs is None:
+        return None
+
+    def item(lp: Logprob) -> dict:
+        return {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+
+    return [None if entry is None else {str(tid): item(lp) for tid, lp in entry.items()} for entry in logprobs]
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:

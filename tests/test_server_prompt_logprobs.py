@@ -1,0 +1,94 @@
+"""Scoring text over HTTP: completions with echo and logprobs (what lm-evaluation-harness sends), max_tokens 0,
+and vLLM's prompt_logprobs field, checked against transformers' log_softmax."""
+
+import httpx
+import numpy as np
+import pytest
+from scipy.special import log_softmax
+
+from jserve.server import ServerSettings
+
+from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, prompt_ids, running_server, wait_until
+from tiny_models import assert_engine_idle, reference_logits, tiny_engine_args
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_checkpoint):
+    settings = ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)
+    with running_server(tiny_engine_args(tiny_llama_checkpoint[0]), settings) as handle:
+        yield handle
+
+
+@pytest.fixture(autouse=True)
+def engine_idle_after(server):
+    yield
+    wait_until(lambda: not server.engine.engine.has_unfinished_requests(), timeout=30)
+    assert_engine_idle(server.engine)
+
+
+def post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+def expected_logprobs(checkpoint, ids: list[int]) -> np.ndarray:
+    rows = log_softmax(reference_logits(checkpoint[1], ids).astype(np.float64), axis=-1)
+    return rows[np.arange(len(ids) - 1), ids[1:]]
+
+
+def test_echo_with_logprobs_and_max_tokens_0_scores_the_prompt(server, tiny_llama_checkpoint):
+    prompts = [prompt_ids(1, 30), prompt_ids(2, 17)]  # token-id prompts, as lm-eval sends them
+    body = post(server, "/v1/completions", prompt=prompts, echo=True, logprobs=1, max_tokens=0).json()
+    tokenizer = server.engine.info.tokenizer
+    assert body["usage"]["completion_tokens"] == 0
+    for ids, choice in zip(prompts, body["choices"], strict=True):
+        assert choice["text"] == tokenizer.decode(ids) and choice["finish_reason"] == "length"
+        logprobs = choice["logprobs"]
+        assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert logprobs["tokens"] == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        np.testing.assert_allclose(logprobs["token_logprobs"][1:], expected_logprobs(tiny_llama_checkpoint, ids),
+                                   atol=1e-4)  # fmt: skip
+        assert all(1 <= len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+        offsets = np.cumsum([0] + [len(t) for t in logprobs["tokens"][:-1]]).tolist()
+        assert logprobs["text_offset"] == offsets
+
+
+def test_echo_with_logprobs_then_generation(server, tiny_llama_checkpoint):
+    ids = prompt_ids(3, 12)
+    body = post(server, "/v1/completions", prompt=ids, echo=True, logprobs=0, max_tokens=4, temperature=0,
+                ignore_eos=True).json()  # fmt: skip
+    choice = body["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 4 and body["usage"]["completion_tokens"] == 4
+    assert "".join(logprobs["tokens"][len(ids) :]) == choice["text"][len(server.engine.info.tokenizer.decode(ids)) :]
+    np.testing.assert_allclose(logprobs["token_logprobs"][1 : len(ids)], expected_logprobs(tiny_llama_checkpoint, ids),
+                               atol=1e-4)  # fmt: skip
+    assert logprobs["text_offset"][len(ids)] == len(server.engine.info.tokenizer.decode(ids))
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_prompt_logprobs_field(server, path):
+    body = (
+        {"prompt": prompt_ids(4, 9)} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    choice = post(server, path, max_tokens=1, prompt_logprobs=2, **body).json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert entries[0] is None and all(2 <= len(e) <= 3 for e in entries[1:])
+    for entry in entries[1:]:
+        for token_id, item in entry.items():
+            assert int(token_id) >= 0 and set(item) == {"logprob", "rank", "decoded_token"}
+    plain = post(server, path, max_tokens=1, **body).json()["choices"][0]
+    assert "prompt_logprobs" not in plain
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "stream"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ],
+)
+def test_refused(server, extra, param):
+    assert_error(post(server, "/v1/completions", prompt="hi", **extra), 400, param)
