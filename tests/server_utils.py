@@ -16,7 +16,7 @@ from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings, build_app
 from jserve.server.async_engine import AsyncEngine
 
-from tiny_models import VOCAB_SIZE
+from tiny_models import VOCAB_SIZE, assert_engine_idle
 
 MODEL = "tiny"  # the served model name the server tests use
 
@@ -72,6 +72,14 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
         time.sleep(interval)
+
+
+def assert_server_idle(handle: ServerHandle, timeout: float = 30.0) -> None:
+    """Nothing in flight (once aborts have landed), every KV page back in the pool, and every HTTP call's
+    bookkeeping gone."""
+    wait_until(lambda: not handle.engine.engine.has_unfinished_requests(), timeout)
+    assert_engine_idle(handle.engine)
+    assert not handle.engine.submissions
 
 
 @contextlib.contextmanager

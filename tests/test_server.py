@@ -17,7 +17,15 @@ from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings
 from jserve.server.async_engine import Submission
 
-from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, prompt_ids, running_server, wait_until
+from server_utils import (
+    MODEL,
+    TINY_CHAT_TEMPLATE,
+    assert_error,
+    assert_server_idle,
+    prompt_ids,
+    running_server,
+    wait_until,
+)
 from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy, tiny_engine_args
 
 
@@ -33,10 +41,7 @@ def engine_idle_after(request):
     """After every test: nothing in flight, every KV page back in the pool (once aborts have landed)."""
     yield
     if "server" in request.fixturenames:
-        handle = request.getfixturevalue("server")
-        wait_until(lambda: not handle.engine.engine.has_unfinished_requests(), timeout=30)
-        assert_engine_idle(handle.engine)
-        assert not handle.engine.submissions  # every HTTP call's bookkeeping is gone too
+        assert_server_idle(request.getfixturevalue("server"))
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from jserve.server import ServerSettings
 from jserve.server.protocol import MAX_PROMPTS
 from jserve.server.request_body import MAX_JSON_DEPTH
 
-from server_utils import MODEL, assert_error, prompt_ids, running_server, wait_until
-from tiny_models import assert_engine_idle, tiny_kv_bytes
+from server_utils import MODEL, assert_error, assert_server_idle, prompt_ids, running_server, wait_until
+from tiny_models import tiny_kv_bytes
 
 KEY = "sesame"
 MAX_MODEL_LEN = 128
@@ -39,9 +39,7 @@ def server(tiny_llama_checkpoint):
 @pytest.fixture(autouse=True)
 def engine_idle_after(server):
     yield
-    wait_until(lambda: not server.engine.engine.has_unfinished_requests(), timeout=30)
-    assert_engine_idle(server.engine)
-    assert not server.engine.submissions
+    assert_server_idle(server)
 
 
 def post(server, path: str, body=None, *, content: bytes | None = None, headers=None) -> httpx.Response:

@@ -8,8 +8,15 @@ from scipy.special import log_softmax
 
 from jserve.server import ServerSettings
 
-from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, prompt_ids, running_server, wait_until
-from tiny_models import assert_engine_idle, reference_logits, tiny_engine_args
+from server_utils import (
+    MODEL,
+    TINY_CHAT_TEMPLATE,
+    assert_error,
+    assert_server_idle,
+    prompt_ids,
+    running_server,
+)
+from tiny_models import reference_logits, tiny_engine_args
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +29,7 @@ def server(tiny_llama_checkpoint):
 @pytest.fixture(autouse=True)
 def engine_idle_after(server):
     yield
-    wait_until(lambda: not server.engine.engine.has_unfinished_requests(), timeout=30)
-    assert_engine_idle(server.engine)
+    assert_server_idle(server)
 
 
 def post(server, path: str, **body) -> httpx.Response:

@@ -11,7 +11,7 @@ import pytest
 
 from jserve.server import ServerSettings
 
-from server_utils import MODEL, assert_error, prompt_ids, running_server, wait_until
+from server_utils import MODEL, assert_error, assert_server_idle, prompt_ids, running_server, wait_until
 from tiny_models import assert_engine_idle, tiny_engine_args, tiny_kv_bytes
 
 
@@ -23,9 +23,7 @@ def small_server(tiny_llama_checkpoint):
     args = tiny_engine_args(tiny_llama_checkpoint[0], kv_cache_memory=tiny_kv_bytes(24), enable_prefix_caching=True)
     with running_server(args, settings) as handle:
         yield handle
-        wait_until(lambda: not handle.engine.engine.has_unfinished_requests())
-        assert_engine_idle(handle.engine)
-        assert not handle.engine.submissions
+        assert_server_idle(handle)
 
 
 def test_api_key(small_server):

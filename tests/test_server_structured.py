@@ -17,9 +17,8 @@ import pytest
 from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings
 
-from server_utils import assert_error, running_server, wait_until
+from server_utils import assert_error, assert_server_idle, running_server
 from structured_cases import PROMPTS, SCHEMAS
-from tiny_models import assert_engine_idle
 
 MODEL = "smollm2"
 
@@ -34,8 +33,7 @@ def server(smollm2_gguf_path):
 @pytest.fixture(autouse=True)
 def engine_idle_after(server):
     yield
-    wait_until(lambda: not server.engine.engine.has_unfinished_requests(), timeout=30)
-    assert_engine_idle(server.engine)
+    assert_server_idle(server)
 
 
 @pytest.fixture

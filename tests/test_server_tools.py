@@ -12,8 +12,8 @@ import pytest
 from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings
 
-from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, running_server, wait_until
-from tiny_models import assert_engine_idle, tiny_engine_args
+from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, assert_server_idle, running_server
+from tiny_models import tiny_engine_args
 
 SMOLLM2 = "smollm2"
 WEATHER = {
@@ -70,9 +70,7 @@ def engine_idle_after(request):
     yield
     for name in ("server", "tiny_server"):
         if name in request.fixturenames:
-            handle = request.getfixturevalue(name)
-            wait_until(lambda h=handle: not h.engine.engine.has_unfinished_requests(), timeout=30)
-            assert_engine_idle(handle.engine)
+            assert_server_idle(request.getfixturevalue(name))
 
 
 @pytest.fixture
