@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from jserve.errors import ModelLoadError
+from jserve.tokenizer.token_bytes import BYTE_SPELLING
 
 logger = logging.getLogger(__name__)
 
@@ -128,25 +129,14 @@ def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str]
     return model
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's map from each byte to a printable character standing for it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    spelling = {byte: chr(byte) for byte in printable}
-    shifted = (byte for byte in range(256) if byte not in spelling)
-    for offset, byte in enumerate(shifted):
-        spelling[byte] = chr(256 + offset)
-    return spelling
-
-
-_BYTE_SPELLING = _byte_alphabet()
-_BYTE_LETTERS = frozenset(_BYTE_SPELLING.values())
+_BYTE_LETTERS = frozenset(BYTE_SPELLING.values())
 
 
 def _respell(token: str) -> str:
     # Some converters store a token as plain text; BPE needs it in the byte alphabet.
     if _BYTE_LETTERS.issuperset(token):
         return token
-    return "".join(_BYTE_SPELLING[byte] for byte in token.encode("utf-8"))
+    return "".join(BYTE_SPELLING[byte] for byte in token.encode("utf-8"))
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

@@ -12,28 +12,30 @@ convention for "this token is not text; only a grammar that names it may produce
 from __future__ import annotations
 
 import re
-from functools import cache
 
 SPECIAL_MARKER = b"\xff"
 METASPACE = "▁"
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-@cache
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-to-character table, inverted: printable Latin-1 bytes stand for themselves and the
-    other 68 bytes (controls, space, a few Latin-1 gaps) take the characters from U+0100 on, in order."""
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character standing for it: printable Latin-1 bytes stand
+    for themselves, the other 68 (controls, space, a few Latin-1 gaps) take the characters from U+0100 on."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    others = (b for b in range(256) if b not in set(printable))
-    table.update({chr(256 + i): b for i, b in enumerate(others)})
-    return table
+    spelling = {byte: chr(byte) for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in spelling)
+    for offset, byte in enumerate(shifted):
+        spelling[byte] = chr(256 + offset)
+    return spelling
+
+
+BYTE_SPELLING = _byte_spelling()  # byte -> its character in byte-level BPE pieces
+_BYTE_OF = {char: byte for byte, char in BYTE_SPELLING.items()}
 
 
 def byte_level_bytes(piece: str) -> bytes:
-    table = _byte_level_table()
     try:
-        return bytes(table[c] for c in piece)
+        return bytes(_BYTE_OF[c] for c in piece)
     except KeyError:  # not a byte-level piece (e.g. an added token written as plain text)
         return piece.encode("utf-8")
 
