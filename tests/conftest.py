@@ -48,3 +48,16 @@ def release_compiled_steps():
 
     gc.collect()
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama_checkpoint):
+    """A server on the tiny Llama, with a minimal chat template and default settings (one per test module)."""
+    from jserve.server import ServerSettings
+
+    from server_utils import MODEL, TINY_CHAT_TEMPLATE, running_server
+    from tiny_models import tiny_engine_args
+
+    settings = ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)
+    with running_server(tiny_engine_args(tiny_llama_checkpoint[0]), settings) as handle:
+        yield handle

@@ -19,21 +19,18 @@ from jserve.server.async_engine import Submission
 
 from server_utils import (
     MODEL,
-    TINY_CHAT_TEMPLATE,
     assert_error,
     assert_server_idle,
     prompt_ids,
     running_server,
     wait_until,
 )
-from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy, tiny_engine_args
+from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_checkpoint):
-    settings = ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)
-    with running_server(tiny_engine_args(tiny_llama_checkpoint[0]), settings) as handle:
-        yield handle
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(autouse=True)

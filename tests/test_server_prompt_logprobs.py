@@ -6,24 +6,18 @@ import numpy as np
 import pytest
 from scipy.special import log_softmax
 
-from jserve.server import ServerSettings
-
 from server_utils import (
     MODEL,
-    TINY_CHAT_TEMPLATE,
     assert_error,
     assert_server_idle,
     prompt_ids,
-    running_server,
 )
-from tiny_models import reference_logits, tiny_engine_args
+from tiny_models import reference_logits
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_checkpoint):
-    settings = ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)
-    with running_server(tiny_engine_args(tiny_llama_checkpoint[0]), settings) as handle:
-        yield handle
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture(autouse=True)

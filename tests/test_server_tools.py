@@ -12,8 +12,7 @@ import pytest
 from jserve.engine.args import EngineArgs
 from jserve.server import ServerSettings
 
-from server_utils import MODEL, TINY_CHAT_TEMPLATE, assert_error, assert_server_idle, running_server
-from tiny_models import tiny_engine_args
+from server_utils import MODEL, assert_error, assert_server_idle, running_server
 
 SMOLLM2 = "smollm2"
 WEATHER = {
@@ -55,13 +54,6 @@ def server(smollm2_gguf_path):
     args = EngineArgs(model=str(smollm2_gguf_path), max_model_len=1024, max_num_seqs=8, kv_cache_memory=128 << 20)
     settings = ServerSettings(SMOLLM2, enable_auto_tool_choice=True, tool_call_parser="hermes")
     with running_server(args, settings) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tiny_llama_checkpoint):
-    settings = ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)  # no auto tool choice
-    with running_server(tiny_engine_args(tiny_llama_checkpoint[0]), settings) as handle:
         yield handle
 
 
