@@ -27,27 +27,33 @@ class ToolCalls:
 
     def streamer(self) -> ToolStreamer:
         if self.use.choice.forced:
-            return _WholeOutput(self)
+            return _HeldToTheEnd(self)
         if self.use.choice.mode == "auto" and self.parser is not None:
             return self.parser.streamer() if self.use.parallel else _FirstCall(self.parser.streamer())
-        return _WholeOutput(None)
+        return _Plain()
 
 
-class _WholeOutput(ToolStreamer):
-    """Streams plain text as it comes (no tools), or holds a forced output back until it is complete."""
+class _Plain(ToolStreamer):
+    """No tools to read: the text streams as it comes."""
 
-    def __init__(self, calls: ToolCalls | None):
+    def feed(self, delta: str) -> StreamDelta:
+        return StreamDelta(delta, [])
+
+    def finish(self) -> StreamDelta:
+        return StreamDelta("", [])
+
+
+class _HeldToTheEnd(ToolStreamer):
+    """A forced output: JSON that is only calls once complete, so it is held back and parsed at the end."""
+
+    def __init__(self, calls: ToolCalls):
         self._calls, self._text = calls, ""
 
     def feed(self, delta: str) -> StreamDelta:
-        if self._calls is None:
-            return StreamDelta(delta, [])
         self._text += delta
         return StreamDelta("", [])
 
     def finish(self) -> StreamDelta:
-        if self._calls is None:
-            return StreamDelta("", [])
         parsed = self._calls.parse(self._text)
         deltas = [ToolCallDelta(i, c.id, c.name, c.arguments) for i, c in enumerate(parsed.tool_calls)]
         return StreamDelta(parsed.content or "", deltas)
