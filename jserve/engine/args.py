@@ -92,6 +92,13 @@ class EngineArgs:
     async_scheduling: bool = setting(
         True, "schedule and prepare step N+1 while the device runs step N; outputs are identical either way"
     )
+    speculative_config: dict | str | None = setting(
+        None,
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} proposes what followed the latest earlier occurrence of '
+        "the last n tokens; the target model verifies the drafts in one step (greedy output is unchanged). "
+        '"disable_by_batch_size" (default 4): speculate only while at most this many requests run',
+    )
 
     def create_engine(self) -> LLMEngine:
         start = time.perf_counter()

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jserve.attention import fit_attention_backend, kv_cache_bytes_per_token, reference
 from jserve.config import ModelConfig
+from jserve.spec_decode import SpeculativeConfig
 
 if TYPE_CHECKING:  # args imports this module
     from jserve.engine.args import EngineArgs
@@ -62,6 +63,7 @@ class EngineConfig:
     attention_backend: str  # fitted to the device; "auto" left to jserve.attention.resolve_attention_backend
     async_scheduling: bool
     kv_cache_dtype: str  # the pages' dtype: the model's, or bfloat16 for half the bytes
+    speculative: SpeculativeConfig | None = None
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -69,9 +71,12 @@ class EngineConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        """Padded step sizes: 1, then powers of two from 16 up to the token budget (which is always one)."""
+        """Padded step sizes: 1, then powers of two from 16 up to the token budget (which is always one); with
+        speculation also one request's verify step (its token and its drafts), unpadded."""
         budget, size = self.max_num_batched_tokens, MIN_TOKEN_BUCKET
         buckets = {min(SINGLE_DECODE_BUCKET, budget), budget}
+        if self.speculative is not None:
+            buckets.add(min(self.speculative.num_speculative_tokens + 1, budget))
         while size < budget:
             buckets.add(size)
             size *= 2
@@ -80,6 +85,14 @@ class EngineConfig:
     def seq_bucket(self, token_bucket: int) -> int:
         """Sequence slots of a step with `token_bucket` tokens: every token could be its own sequence."""
         return min(token_bucket, self.max_num_seqs)
+
+    def verify_rows(self, token_bucket: int) -> int:
+        """Draft tokens a step of `token_bucket` tokens can verify: each needs a token of its own beside its
+        request's last one, and at most disable_by_batch_size requests speculate at once (0: no speculation)."""
+        spec = self.speculative
+        if spec is None:
+            return 0
+        return min(token_bucket - 1, spec.disable_by_batch_size * spec.num_speculative_tokens)
 
 
 @dataclass(frozen=True)
@@ -187,4 +200,5 @@ def resolve_engine_config(
         attention_backend=attention_backend,
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=kv_cache_dtype,
+        speculative=SpeculativeConfig.parse(args.speculative_config),
     )

@@ -25,6 +25,7 @@ from jserve.errors import RequestError
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
+from jserve.spec_decode import Speculator
 from jserve.structured import GrammarCompiler
 
 log = logging.getLogger("jserve")
@@ -44,13 +45,15 @@ class LaunchedStep:
     sequences: list[ScheduledSequence]
     samples: list[bool]
     out: SamplerOutput
+    verified: SamplerOutput  # the samples at draft positions, each speculating sequence's rows in turn
     scores: PromptScores  # by position in the step's tokens
 
     @property
-    def constrained(self) -> bool:
-        """A grammar needs one of its samples before the next step's mask can be made."""
+    def blocks_next(self) -> bool:
+        """The next step cannot be planned without this one's samples: a grammar needs one of them for its
+        next mask, or a verification decides how many tokens a request gained."""
         pairs = zip(self.sequences, self.samples, strict=True)
-        return any(sampled and seq.request.grammar is not None for seq, sampled in pairs)
+        return any(sampled and (seq.request.grammar is not None or len(seq.drafts)) for seq, sampled in pairs)
 
 
 @dataclass
@@ -76,7 +79,8 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.stats = EngineStats()
-        self.scheduler = Scheduler(config, self.stats)
+        self.speculator = Speculator(config.speculative, self.stats) if config.speculative else None
+        self.scheduler = Scheduler(config, self.stats, self.speculator)
         self.runner = ModelRunner(model, config, self.eos_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
@@ -99,7 +103,22 @@ class LLMEngine:
                  "on" if config.enable_prefix_caching else "off", config.schedule_policy,
                  "on" if config.async_scheduling else "off")  # fmt: skip
         self.runner.warm_up()
+        if self.speculator is not None:
+            self._choose_break_even()
         self.stats.start()
+
+    def _choose_break_even(self) -> None:
+        """Measure what a verify step costs against a decode step: a request keeps proposing while its drafts
+        gain at least what the difference costs."""
+        spec = self.config.speculative
+        verify = self.runner.bucket_for(spec.num_speculative_tokens + 1)
+        ratio = self.runner.step_seconds(verify) / self.runner.step_seconds(self.runner.bucket_for(1))
+        self.speculator.break_even = max(0.0, ratio - 1)
+        log.info("Speculative decoding: %s, %d draft tokens, n-grams of %d-%d tokens, up to %d running requests; "
+                 "a verify step of %d tokens costs %.2fx a decode step, so a request keeps proposing while its "
+                 "verifications accept %.2f drafts on average", spec.method, spec.num_speculative_tokens,
+                 spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size, verify, ratio,
+                 self.speculator.break_even)  # fmt: skip
 
     # --- requests in -----------------------------------------------------------------------------
 
@@ -216,8 +235,9 @@ class LLMEngine:
             self.stats.resume()
         changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
         waited = 0.0
-        if self.in_flight is not None and self.in_flight.constrained:
-            # A grammar's next mask needs the token in flight: this step waits for it (no overlap).
+        if self.in_flight is not None and (self.in_flight.blocks_next or self.scheduler.wants_latest_tokens()):
+            # A grammar's next mask, a verification's outcome or a proposal needs the step in flight: this step
+            # waits for it (no overlap).
             waited, self.in_flight = self._process(self.in_flight, changed), None
         scheduled = self.scheduler.schedule()
         self.stats.preemptions += len(scheduled.preempted)
@@ -248,7 +268,7 @@ class LLMEngine:
         sequences, launched = self._dispatch(sequences, changed)
         if launched is None:
             return None
-        out, scores = launched
+        out, verified, scores = launched
         samples = [seq.samples for seq in sequences]
         self.timeline.launched(time.perf_counter(), out.token_ids, self._busy)
         if compile_count() != before:
@@ -263,11 +283,11 @@ class LLMEngine:
             self.scheduler.kv.advance(request, seq.num_tokens)
             if sampled:
                 self.outputs.launched(request, row)
-        return LaunchedStep(sequences, samples, out, scores)
+        return LaunchedStep(sequences, samples, out, verified, scores)
 
     def _dispatch(
         self, sequences: list[ScheduledSequence], changed: set[str]
-    ) -> tuple[list, tuple[SamplerOutput, PromptScores] | None]:
+    ) -> tuple[list, tuple[SamplerOutput, SamplerOutput, PromptScores] | None]:
         """The runner's launch, isolating the culprit if it fails: the requests whose own rows cannot be
         prepared fail, and the rest launch again. A failure no single row explains (the device, the
         executable) is not one request's fault, and is raised."""
@@ -292,32 +312,56 @@ class LLMEngine:
     def _process(self, step: LaunchedStep, changed: set[str]) -> float:
         """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
         start = time.perf_counter()
-        samples = jax.device_get(step.out)
+        speculated = any(len(seq.drafts) for seq in step.sequences)
+        samples, verified = jax.device_get((step.out, step.verified)) if speculated else (jax.device_get(step.out), None)
         waited = time.perf_counter() - start
         waited += self._record_prompt_scores(step)
         stats = self.stats
         now = time.monotonic()
+        verify_row = 0  # each speculating sequence's first verify row
         for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
             request = seq.request
+            tokens = [(samples, row)]
+            if len(seq.drafts):
+                tokens = self._verified_tokens(seq, verified, verify_row, samples, row)
+                verify_row += len(seq.drafts)
             if not sampled or request.is_finished:  # finished by the step before: this token is surplus
                 continue
-            stats.generated_tokens += 1
             changed.add(request.parent_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            try:
-                finish = self.outputs.append(request, samples, row)
-            except Exception as error:  # one request's failure must not take down the others
-                self._fail(request, error, changed)
-                continue
-            if finish is not None:
-                self.scheduler.finish(request, *finish)
+            for source, source_row in tokens:
+                stats.generated_tokens += 1
+                try:
+                    finish = self.outputs.append(request, source, source_row)
+                except Exception as error:  # one request's failure must not take down the others
+                    self._fail(request, error, changed)
+                    break
+                if finish is not None:
+                    self.scheduler.finish(request, *finish)
+                    break
         stats.steps += 1
         scheduler = self.scheduler
         running = len(scheduler.running)
         kv_used = scheduler.num_used_pages / scheduler.pool.num_pages
         stats.maybe_log(running, scheduler.num_unfinished - running, kv_used)
         return waited
+
+    def _verified_tokens(
+        self, seq: ScheduledSequence, verified: SamplerOutput, first: int, samples: SamplerOutput, row: int
+    ) -> list[tuple[SamplerOutput, int]]:
+        """Where a speculating sequence's new tokens are: the samples at its drafts' positions as long as each
+        equals its draft (the last one that differs replaces it), or after all of them its row's own sample.
+        The rejected drafts' K/V stop counting as computed (the request's pages end with the accepted ones)."""
+        drafts = seq.drafts
+        matched = verified.token_ids[first : first + len(drafts)] == drafts
+        accepted = int(np.argmin(matched)) if not matched.all() else len(drafts)
+        if seq.request.is_finished:
+            return []
+        self.scheduler.kv.reject(seq.request, len(drafts) - accepted)
+        self.speculator.verified(seq.request, len(drafts), accepted)
+        tokens = [(verified, first + j) for j in range(min(accepted + 1, len(drafts)))]
+        return tokens if accepted < len(drafts) else [*tokens, (samples, row)]
 
     def _record_prompt_scores(self, step: LaunchedStep) -> float:
         """Hand the step's prompt scores to the requests that score their prompt (fetched only if there are

@@ -100,11 +100,21 @@ class KVManager:
         if prefilling and request.cache_node is not None:
             self._cache_pages(request, min(request.num_computed_tokens, request.num_prompt_tokens))
 
+    def reject(self, request: Request, num_tokens: int) -> None:
+        """The request's last `num_tokens` computed tokens were drafts the step rejected: they no longer count
+        as computed (the next step writes over their K/V), and pages wholly past the rest are released."""
+        request.num_computed_tokens -= num_tokens
+        keep = -(-request.num_computed_tokens // self.page_size)
+        if keep < len(request.pages):
+            self.pool.release(request.pages[keep:])
+            request.pages = request.pages[:keep]
+
     def free(self, request: Request) -> None:
         """Give back a running request's pages (it finished or is preempted); with caching, its computed
-        whole pages stay cached for others and its lock is dropped."""
+        whole pages stay cached for others and its lock is dropped. Only tokens the host knows are cached: a
+        token still in flight, or a draft being verified, has K/V whose token id is not known yet."""
         if request.cache_node is not None:
-            self._cache_pages(request, request.num_computed_tokens)
+            self._cache_pages(request, min(request.num_computed_tokens, request.num_tokens))
             self.cache.unlock(request.cache_node)
             request.cache_node = None
         self.pool.release(request.pages)

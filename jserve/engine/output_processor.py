@@ -54,10 +54,12 @@ class OutputProcessor:
         request.pending_row = row
 
     def append(self, request: Request, samples: SamplerOutput, row: int) -> tuple[str, int | str | None] | None:
-        """Add row's token (the oldest pending one) to the request; returns (finish_reason, stop_reason) if it
-        ends the request."""
+        """Add row's token to the request: its oldest pending one, or one more its step gained by verifying
+        drafts (the step launched with one pending); returns (finish_reason, stop_reason) if it ends the
+        request."""
         token = int(samples.token_ids[row])
-        request.num_pending -= 1
+        if request.num_pending:
+            request.num_pending -= 1
         request.append_token(token)
         if request.grammar is not None:
             request.grammar.accept(token)

@@ -29,7 +29,7 @@ from jserve.engine.sampler import (
     init_penalty_state,
 )
 from jserve.engine.scheduler import ScheduledSequence
-from jserve.engine.step import PenaltyUpdate, StepInput, init_sampled, jit_engine_step
+from jserve.engine.step import PenaltyUpdate, StepInput, VerifyInput, init_sampled, jit_engine_step
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
@@ -58,9 +58,10 @@ class ModelRunner:
         )
         self.sampled = jax.device_put(init_sampled(config.seq_bucket(config.token_buckets[-1])), self.input_sharding)
         self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
-        # Samples, prompt scores, penalty state and sampled ids replicated, the cache as allocated.
+        # Samples, verify samples, prompt scores, penalty state and sampled ids replicated, the cache as allocated.
         replicated = self.input_sharding
-        self.step_fn = jit_engine_step((replicated, replicated, kv_sharding, replicated, replicated) if mesh else None)
+        shardings = (replicated, replicated, replicated, kv_sharding, replicated, replicated)
+        self.step_fn = jit_engine_step(shardings if mesh else None)
         log.info(
             "Attention: %s%s%s",
             self.attention.kernel,
@@ -72,6 +73,7 @@ class ModelRunner:
         # Steps without a grammar share one all-ones bitmask per batch size: never written, so a step still
         # reading it on the device cannot see a later step's mask.
         batch_sizes = {config.seq_bucket(bucket) for bucket in config.token_buckets}
+        batch_sizes |= {config.verify_rows(bucket) for bucket in config.token_buckets}
         self._full_bitmasks = {n: full_bitmask(n, model.config.vocab_size) for n in batch_sizes}
         for mask in self._full_bitmasks.values():
             mask.flags.writeable = False
@@ -124,25 +126,35 @@ class ModelRunner:
         self._execute(bucket, step)
         progress.update()
 
+    def step_seconds(self, bucket: int, runs: int = 5) -> float:
+        """The median time of an all-padding step of `bucket` tokens (the cost of its shape): for choosing."""
+        step, times = self.prepare([], bucket), []
+        for _ in range(runs):
+            start = time.perf_counter()
+            jax.block_until_ready(self._execute(bucket, step))
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.config.token_buckets if b >= num_tokens)
 
-    def launch(self, sequences: list[ScheduledSequence]) -> tuple[SamplerOutput, PromptScores]:
-        """Dispatch one step and return at once: its samples (row i for sequences[i]) and prompt scores (by
-        position in the step's tokens) are device arrays until fetched. Reads the requests' pending rows, so
-        it runs before the engine marks new ones."""
+    def launch(self, sequences: list[ScheduledSequence]) -> tuple[SamplerOutput, SamplerOutput, PromptScores]:
+        """Dispatch one step and return at once: its samples (row i for sequences[i]), its verify samples
+        (each speculating sequence's drafts' rows in turn) and prompt scores (by position in the step's
+        tokens) are device arrays until fetched. Reads the requests' pending rows, so it runs before the
+        engine marks new ones."""
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
         step = self.prepare(sequences, bucket)
         if self.broadcast:
             self.broadcast.send(bucket, step)
         return self._execute(bucket, step)
 
-    def _execute(self, bucket: int, step: StepInput) -> tuple[SamplerOutput, PromptScores]:
+    def _execute(self, bucket: int, step: StepInput) -> tuple[SamplerOutput, SamplerOutput, PromptScores]:
         inputs = self._placed(step)
-        out, scores, self.kv_cache, self.penalty_state, self.sampled = self.executables[bucket](
+        out, verified, scores, self.kv_cache, self.penalty_state, self.sampled = self.executables[bucket](
             self.params, self.kv_cache, self.penalty_state, self.sampled, inputs
         )
-        return out, scores
+        return out, verified, scores
 
     def _placed(self, step: StepInput) -> StepInput:
         """The step's inputs as the executable takes them: on one device the numpy arrays themselves (cheaper
@@ -182,10 +194,7 @@ class ModelRunner:
         """Host arrays for a step, padded to `bucket` tokens and its sequence count (vectorised numpy)."""
         cfg = self.config
         num_seqs = cfg.seq_bucket(bucket)
-        chunks = [
-            SequenceChunk(s.request.token_buffer[s.start : s.start + s.num_tokens], s.start, s.request.pages)
-            for s in sequences
-        ]
+        chunks = [SequenceChunk(s.token_ids, s.start, s.request.pages) for s in sequences]
         model = build_model_input(chunks, cfg.page_size, bucket, num_seqs, cfg.max_pages_per_seq)
 
         n = len(sequences)
@@ -229,7 +238,22 @@ class ModelRunner:
             penalties=PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset),
             pending_rows=pending_rows,
             prompt_targets=targets,
+            verify=self._verify_input(sequences, ends, cfg.verify_rows(bucket)),
         )
+
+    def _verify_input(self, sequences: list[ScheduledSequence], ends: np.ndarray, num_rows: int) -> VerifyInput:
+        """A row per draft: at the token before it (the request's latest token, then each earlier draft), with
+        the options and seeded key of a decode step that would sample there."""
+        positions = np.full(num_rows, -1, np.int32)
+        rows: list[SamplingRow] = []
+        for end, s in zip(ends, sequences, strict=True):
+            count = len(s.drafts)
+            if count:
+                positions[len(rows) : len(rows) + count] = np.arange(end - count, end)
+                request = s.request
+                num_output = request.seq_len - request.num_prompt_tokens
+                rows += [SamplingRow(request.params, request.seed, num_output + j, request.slot) for j in range(count)]
+        return VerifyInput(positions, build_sampling_batch(rows, num_rows, self._full_bitmasks[num_rows]))
 
     def _token_bitmask(self, sequences: list[ScheduledSequence], rows: list[SamplingRow], num_seqs: int) -> np.ndarray:
         """The step's token bitmask: each constrained row's grammar says which tokens may come next."""
@@ -246,7 +270,8 @@ class ModelRunner:
     def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
         request = seq.request
         params = request.params
-        num_output = request.seq_len - request.num_prompt_tokens  # pending tokens count: they exist on device
+        # pending tokens count (they exist on device), and drafts: the step samples after them
+        num_output = request.seq_len - request.num_prompt_tokens + len(seq.drafts)
         suppressed: tuple[int, ...] = ()
         if num_output < params.min_tokens:
             suppressed = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else tuple(self.stop_ids))

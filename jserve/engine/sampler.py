@@ -42,6 +42,7 @@ __all__ = [
     "build_sampling_batch",
     "full_bitmask",
     "init_penalty_state",
+    "no_samples",
     "process_logits",
     "sample",
     "update_penalty_state",
@@ -141,16 +142,22 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
         )
 
     def without() -> tuple[jax.Array, jax.Array, jax.Array]:
-        rows = logits.shape[0]
-        return (
-            jnp.zeros((rows,), jnp.float32),
-            jnp.full((rows, MAX_LOGPROBS), -1, jnp.int32),
-            jnp.full((rows, MAX_LOGPROBS), -jnp.inf, jnp.float32),
-        )
+        empty = no_samples(logits.shape[0])
+        return empty.logprobs, empty.top_ids, empty.top_logprobs
 
     # A log-softmax and top-k over the whole vocabulary cost real time on CPU: only when some row asked.
     chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(batch.wants_top_logprobs), with_logprobs, without)
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def no_samples(rows: int) -> SamplerOutput:
+    """The output of `rows` rows that sampled nothing and were asked for no logprobs."""
+    return SamplerOutput(
+        token_ids=jnp.zeros((rows,), jnp.int32),
+        logprobs=jnp.zeros((rows,), jnp.float32),
+        top_ids=jnp.full((rows, MAX_LOGPROBS), -1, jnp.int32),
+        top_logprobs=jnp.full((rows, MAX_LOGPROBS), -jnp.inf, jnp.float32),
+    )
 
 
 def _penalised(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:

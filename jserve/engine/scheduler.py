@@ -13,6 +13,9 @@ With prefix caching, an admitted request starts from the longest cached run of w
 prompt pages enter the cache after every chunk; at finish or preemption all computed pages do. Pages run
 short -> the cache evicts unlocked least-recently-used pages first, and only then is a request preempted.
 
+With speculative decoding, a decoding request whose latest token is known may add draft tokens (from the
+Speculator) to its step, budget and pages permitting; the step verifies them (see engine.py).
+
 Contract: the Scheduler owns the waiting and running queues and is the only writer of a request's status,
 admission order, preemption count, cache-hit count and schedule/finish times. It changes slots only through
 SequenceSlots (slots.py) and pages only through KVManager (kv_manager.py).
@@ -25,7 +28,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,8 +39,11 @@ from jserve.engine.radix_cache import PrefixMatch
 from jserve.engine.request import Request, RequestStatus
 from jserve.engine.slots import SequenceSlots
 from jserve.engine.stats import EngineStats
+from jserve.spec_decode import Speculator
 
 log = logging.getLogger("jserve")
+
+NO_DRAFTS = np.zeros(0, np.int32)
 
 
 @dataclass(frozen=True)
@@ -46,12 +52,21 @@ class ScheduledSequence:
     start: int  # first token computed this step (the request's num_computed_tokens)
     num_tokens: int
     first: bool = False  # the request's first chunk since admission: its per-slot state starts afresh
+    # Draft tokens to verify, the chunk's last num_tokens counts them too (after the request's latest token).
+    drafts: np.ndarray = field(default_factory=lambda: NO_DRAFTS)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token, so its logits give the request's next token (read
         before the step is launched: launching changes the request)."""
-        return self.start + self.num_tokens == self.request.seq_len
+        return self.start + self.num_tokens - len(self.drafts) == self.request.seq_len
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The chunk's tokens: the request's own, then its drafts."""
+        end = self.start + self.num_tokens - len(self.drafts)
+        own = self.request.token_buffer[self.start : end]
+        return np.concatenate([own, self.drafts]) if len(self.drafts) else own
 
 
 @dataclass(frozen=True)
@@ -68,8 +83,8 @@ LPM_MAX_QUEUE = 128  # beyond this many waiting requests, lpm ordering costs mor
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, stats: EngineStats):
-        self.config, self.stats = config, stats
+    def __init__(self, config: EngineConfig, stats: EngineStats, speculator: Speculator | None = None):
+        self.config, self.stats, self.speculator = config, stats, speculator
         self.slots = SequenceSlots(config.max_num_seqs)
         self.kv = KVManager(config)
         self.waiting: list[Request] = []  # sorted by (priority, arrival, completion index)
@@ -97,10 +112,17 @@ class Scheduler:
     def add(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_queue_order)
 
+    def wants_latest_tokens(self) -> bool:
+        """Whether a running request would propose drafts this step if its latest token were known: the
+        engine then fetches the step in flight first."""
+        spec = self.speculator
+        return spec is not None and spec.active(len(self.running)) and any(map(spec.wants, self.running))
+
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
+        speculating = self.speculator is not None and self.speculator.active(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -108,6 +130,9 @@ class Scheduler:
                 i += 1
                 continue
             n = min(request.seq_len - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget - n) if speculating else NO_DRAFTS
+            if len(drafts) and not self.kv.reserve(request, request.num_computed_tokens + n + len(drafts)):
+                drafts = NO_DRAFTS  # pages are short: no speculating
             while not self.kv.reserve(request, request.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -116,14 +141,27 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(ScheduledSequence(request, request.num_computed_tokens, n))
-            budget -= n
+            scheduled.append(ScheduledSequence(request, request.num_computed_tokens, n + len(drafts), drafts=drafts))
+            budget -= n + len(drafts)
             i += 1
 
         # Admit only when nothing had to be preempted: pages are short.
         if not preempted:
             self._admit_waiting(scheduled, budget)
+        if self.speculator is not None:
+            self.speculator.next_step()
         return SchedulerOutput(self._fit_to_bucket(scheduled), preempted)
+
+    def _drafts(self, request: Request, room: int) -> np.ndarray:
+        """Drafts for a decoding request whose latest token is known, as many as fit the step's budget and
+        the request's max_tokens and max_model_len (the step yields up to one token more than its drafts)."""
+        decoding = request.num_pending == 0 and request.num_computed_tokens == request.seq_len - 1
+        if not decoding or not self.speculator.wants(request):
+            return NO_DRAFTS
+        limit = min(room, self.config.max_model_len - 1 - request.seq_len)
+        if request.params.max_tokens is not None:
+            limit = min(limit, request.params.max_tokens - request.num_output_tokens - 1)
+        return self.speculator.propose(request, limit)
 
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         self.waiting = [r for r in self.waiting if not r.is_finished]  # drop requests aborted while waiting
@@ -191,6 +229,8 @@ class Scheduler:
         """End a request wherever it is; its pages and slot return to the pools."""
         if request.is_finished:
             return
+        if self.speculator is not None:
+            self.speculator.forget(request)
         if request.status is RequestStatus.RUNNING:
             self._release(request)
         request.status = RequestStatus.FINISHED

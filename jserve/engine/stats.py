@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 log = logging.getLogger("jserve")
 
 LOG_INTERVAL_S = 10.0
@@ -22,9 +24,16 @@ class EngineStats:
     preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Speculative decoding (vLLM's counters): verifications, draft tokens proposed, of them accepted, and
+    # accepted at each draft position.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int64))
     _last_log: float = field(default_factory=time.monotonic, repr=False)  # the interval's start
     _last_step_end: float = field(default_factory=time.monotonic, repr=False)
     _last_counts: tuple[int, int] = (0, 0)
+    _last_spec: tuple[int, int] = (0, 0)  # verifications and accepted drafts at the interval's start
 
     @property
     def device_idle_fraction(self) -> float:
@@ -48,11 +57,16 @@ class EngineStats:
         if elapsed < LOG_INTERVAL_S or prompt + generated == 0:
             return
         hit_rate = 100 * self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
+        drafts, accepted = self.spec_drafts - self._last_spec[0], self.spec_accepted_tokens - self._last_spec[1]
+        speculation = ""
+        if drafts:  # vLLM's mean acceptance length: tokens a verification yields, its bonus token included
+            speculation = f"; speculation: {drafts} verifications, mean acceptance length {1 + accepted / drafts:.2f}"
         log.info(
             "prefill %.1f tok/s, generation %.1f tok/s over %.0fs of work; running %d, waiting %d; KV cache %.0f%% "
             "used by requests; prefix cache hit rate %.1f%%; host %.1f ms/step, device idle %.1f%%; "
-            "%d preemptions so far",
+            "%d preemptions so far%s",
             prompt / elapsed, generated / elapsed, elapsed, running, waiting, 100 * kv_used, hit_rate,
-            1000 * self.host_s / max(self.steps, 1), 100 * self.device_idle_fraction, self.preemptions,
+            1000 * self.host_s / max(self.steps, 1), 100 * self.device_idle_fraction, self.preemptions, speculation,
         )  # fmt: skip
         self._last_log, self._last_counts = now, (self.prompt_tokens, self.generated_tokens)
+        self._last_spec = (self.spec_drafts, self.spec_accepted_tokens)

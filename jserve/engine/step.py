@@ -4,6 +4,11 @@ sequence on device.
 Besides the KV cache and the penalty state, the step carries its sampled token ids to the next step on the
 device, so a token sampled by step N can be step N+1's input before the host has fetched it (async
 scheduling): the host marks such inputs with the row of step N's samples that holds them.
+
+With speculative decoding the step also samples at each draft's position, exactly as a decode step there
+would (same options, same seeded key), so the host accepts a draft when it equals that sample: the output
+is the one decoding without speculation gives, and for a deterministic proposal (q one-hot) accepting with
+probability p(draft) and otherwise drawing from p without the draft is rejection sampling's rule.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from flax import nnx
 
 from jserve.attention import AttentionBackend, KVCache, ModelInput
 from jserve.engine.prompt_logprobs import PromptScores, score_positions
-from jserve.engine.sampler import PenaltyState, SamplerOutput, SamplingBatch, sample, update_penalty_state
+from jserve.engine.sampler import (
+    PenaltyState,
+    SamplerOutput,
+    SamplingBatch,
+    no_samples,
+    sample,
+    update_penalty_state,
+)
 from jserve.models.forward import forward_states
 
 
@@ -34,12 +46,23 @@ class PenaltyUpdate:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class VerifyInput:
+    """Where the step samples again to verify draft tokens: row r samples at step token positions[r] (the
+    token before a draft), with its request's options; R rows per bucket (0 without speculation)."""
+
+    positions: jax.Array  # [R] i32, -1 = unused row
+    sampling: SamplingBatch  # [R] rows
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class StepInput:
     model: ModelInput
     sampling: SamplingBatch
     penalties: PenaltyUpdate
     pending_rows: jax.Array  # [T] i32: -1, or the row of the previous step's samples that is this token
     prompt_targets: jax.Array  # [T] i32: the prompt token that follows this one, to score; -1: none
+    verify: VerifyInput
 
 
 def init_sampled(num_rows: int) -> jax.Array:
@@ -56,7 +79,7 @@ def engine_step(
     penalty_state: PenaltyState,
     sampled: jax.Array,
     step: StepInput,
-) -> tuple[SamplerOutput, PromptScores, KVCache, PenaltyState, jax.Array]:
+) -> tuple[SamplerOutput, SamplerOutput, PromptScores, KVCache, PenaltyState, jax.Array]:
     rows = step.pending_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], step.model.token_ids)
     model_input = replace(step.model, token_ids=token_ids)
@@ -68,7 +91,20 @@ def engine_step(
         penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
     )
     out = sample(logits, step.sampling, penalty_state)
-    return out, scores, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
+    verified = verify_drafts(head, hidden, step.verify, penalty_state)
+    return out, verified, scores, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
+
+
+def verify_drafts(head, hidden: jax.Array, verify: VerifyInput, penalty_state: PenaltyState) -> SamplerOutput:
+    """Samples at the verify rows' positions (skipped at run time when the step has no drafts)."""
+    rows = verify.positions.shape[0]
+    if rows == 0:
+        return no_samples(0)
+
+    def verify_rows() -> SamplerOutput:
+        return sample(head(hidden[jnp.maximum(verify.positions, 0)]), verify.sampling, penalty_state)
+
+    return jax.lax.cond(jnp.any(verify.positions >= 0), verify_rows, lambda: no_samples(rows))
 
 
 def jit_engine_step(out_shardings=None):

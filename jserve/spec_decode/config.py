@@ -1,0 +1,72 @@
+"""SpeculativeConfig: how the engine speculates, read from vLLM's `speculative_config` (a dict, or its JSON
+as `--speculative-config` takes it)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+# Proposals are verified only while at most this many requests run (vLLM's disable_by_batch_size): a big
+# batch already reads the weights once for many tokens, and every draft token there is extra compute.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # draft tokens a step verifies per request, at most
+    # n-gram prompt lookup: the longest n in [min, max] whose last n tokens occurred before proposes what
+    # followed them; vLLM's rule for unset bounds (both unset: 5; one set: the other equals it).
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @staticmethod
+    def parse(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """The config from a dict or its JSON text (None: no speculation); a ValueError says what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(SpeculativeConfig)}
+        if "model" in value:
+            raise ValueError(
+                "speculative_config: draft-model speculation ({'model': ...}) is not available yet; "
+                "use {'method': 'ngram', ...}"
+            )
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        config = SpeculativeConfig(**value)
+        config._check()
+        return config.with_lookup_defaults()
+
+    def with_lookup_defaults(self) -> SpeculativeConfig:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})")
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, high, low, self.disable_by_batch_size)
+
+    def _check(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config: method must be one of {list(METHODS)}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is None and name.startswith("prompt_lookup"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be at most 16, got {self.num_speculative_tokens}"
+            )
