@@ -313,7 +313,7 @@ class LLMEngine:
         """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
         start = time.perf_counter()
         speculated = any(len(seq.drafts) for seq in step.sequences)
-        samples, verified = jax.device_get((step.out, step.verified)) if speculated else (jax.device_get(step.out), None)
+        samples, verified = jax.device_get((step.out, step.verified if speculated else None))
         waited = time.perf_counter() - start
         waited += self._record_prompt_scores(step)
         stats = self.stats
