@@ -13,7 +13,7 @@ TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
+        labels = self._labels = {"model_name": model_name}
 
         def make(kind, name, doc, **kwargs):
             extra = kwargs.pop("labelnames", ())
@@ -35,6 +35,13 @@ class ServerMetrics:
                                  "building, dispatch, output processing (not waiting for the device)")  # fmt: skip
         self.device_busy = make(Counter, "device_busy_seconds", "Time the device spent running steps")
         self.device_idle = make(Counter, "device_idle_seconds", "Device idle between steps while work waited")
+        self.spec_drafts = make(Counter, "spec_decode_num_drafts", "Speculative verifications (a request's drafts "
+                                "checked in one step)")  # fmt: skip
+        self.spec_draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted = make(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_per_pos = make(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by draft position", labelnames=("position",))  # fmt: skip
+        self._accepted_per_pos = None  # the counts at the last observation
         success = make(Counter, "request_success", "Completions finished, by reason", labelnames=("finished_reason",))
         reasons = ("stop", "length", "abort", "error")
         self.success = {reason: success.labels(finished_reason=reason, **labels) for reason in reasons}
@@ -45,7 +52,7 @@ class ServerMetrics:
         self.queue_time = make(
             Histogram, "request_queue_time_seconds", "Arrival to first scheduled", buckets=LATENCY_BUCKETS
         )
-        self._counted = (0,) * 9
+        self._counted = (0,) * 12
         self._last_token: dict[tuple[str, int], float] = {}  # (request, completion) -> when its last token came
         self._started: set[str] = set()  # requests whose first token was counted
         # Completions counted as finished: with n > 1 a finished one is in every output until its siblings end.
@@ -59,14 +66,23 @@ class ServerMetrics:
         self.kv_usage.set(scheduler.num_used_pages / scheduler.pool.num_pages)
         self.prefix_cache_usage.set(scheduler.num_reclaimable_pages / scheduler.pool.num_pages)
         counts = (stats.prompt_tokens, stats.generated_tokens, stats.preemptions, stats.prefix_cache_queries,
-                  stats.prefix_cache_hits, stats.steps, stats.host_s, stats.device_busy_s,
-                  stats.device_idle_s)  # fmt: skip
+                  stats.prefix_cache_hits, stats.steps, stats.host_s, stats.device_busy_s, stats.device_idle_s,
+                  stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)  # fmt: skip
         counters = (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits,
-                    self.steps, self.host_seconds, self.device_busy, self.device_idle)  # fmt: skip
+                    self.steps, self.host_seconds, self.device_busy, self.device_idle, self.spec_drafts,
+                    self.spec_draft_tokens, self.spec_accepted)  # fmt: skip
         for counter, now, before in zip(counters, counts, self._counted, strict=True):
             if now > before:
                 counter.inc(now - before)
         self._counted = counts
+        spec = engine.config.speculative
+        if spec is not None:  # one series per draft position the engine can propose
+            per_pos = stats.spec_accepted_per_pos[: spec.num_speculative_tokens].tolist()
+            before = self._accepted_per_pos or [0] * len(per_pos)
+            for position, (now, then) in enumerate(zip(per_pos, before, strict=True)):
+                if now > then or self._accepted_per_pos is None:
+                    self.spec_accepted_per_pos.labels(position=str(position), **self._labels).inc(now - then)
+            self._accepted_per_pos = per_pos
 
     def observe_output(self, out: RequestOutput, now: float) -> None:
         metrics = out.metrics
