@@ -1,10 +1,11 @@
-"""The OpenAI-compatible server, driven over HTTP by the official `openai` client and by httpx."""
+"""The OpenAI-compatible server, driven over HTTP by the official `openai` client and by httpx; every test
+runs against a plain server and one started with --speculative-config (n-gram)."""
 
 import asyncio
 import json
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 
 import httpx
@@ -19,18 +20,25 @@ from jserve.server.async_engine import Submission
 
 from server_utils import (
     MODEL,
+    TINY_CHAT_TEMPLATE,
     assert_error,
     assert_server_idle,
     prompt_ids,
     running_server,
     wait_until,
 )
-from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy
+from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy, tiny_engine_args
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 
 
-@pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server
+@pytest.fixture(scope="module", params=["plain", "ngram"])
+def server(request, tiny_llama_checkpoint):
+    args = tiny_engine_args(tiny_llama_checkpoint[0])
+    if request.param == "ngram":
+        args = replace(args, speculative_config=NGRAM)
+    with running_server(args, ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)) as handle:
+        yield handle
 
 
 @pytest.fixture(autouse=True)
