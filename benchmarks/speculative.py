@@ -20,14 +20,14 @@ import time
 
 from jserve import LLM, SamplingParams
 
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal += item["price"] * item["quantity"]
     tax = subtotal * tax_rate
     return subtotal + tax
-'''
-CLASS = '''class Stack:
+"""
+CLASS = """class Stack:
     def __init__(self):
         self.items = []
 
@@ -39,14 +39,16 @@ CLASS = '''class Stack:
 
     def is_empty(self):
         return len(self.items) == 0
-'''
-TEXT = ("The quick brown fox jumps over the lazy dog. The dog was not amused, and it barked loudly at the fox. "
-        "Then the fox ran away into the forest, where it met a friendly rabbit who offered it some carrots.")
+"""
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. The dog was not amused, and it barked loudly at the fox. "
+    "Then the fox ran away into the forest, where it met a friendly rabbit who offered it some carrots."
+)
 COPY_HEAVY = [
     f"Rename the variable `subtotal` to `net_total` in this Python function and return the whole function:\n\n{CODE}",
     f"Add a docstring to each method of this class and return the full class:\n\n{CLASS}",
-    "Fix the spelling in this text and return it unchanged otherwise:\n\n" + TEXT.replace("jumps", "jumsp")
-    .replace("barked", "barkd").replace("forest", "forrest"),
+    "Fix the spelling in this text and return it unchanged otherwise:\n\n"
+    + TEXT.replace("jumps", "jumsp").replace("barked", "barkd").replace("forest", "forrest"),
     f"Add type hints to this class and return the complete code:\n\n{CLASS}",
     f"Repeat the following text exactly, then add one sentence at the end:\n\n{TEXT}",
     "Convert this list to a JSON array of objects with keys name and age:\nAlice, 30\nBob, 25\nCarol, 41\n"
@@ -77,7 +79,8 @@ def run(llm: LLM, prompts: list[str], concurrency: int, max_tokens: int) -> tupl
         outputs += llm.chat(batch, params, use_tqdm=False)
     wall = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outputs]
-    tpot = [(o.metrics.finish_time - o.metrics.first_token_time) / max(len(t) - 1, 1) for o, t in zip(outputs, tokens)]
+    metrics = [o.metrics for o in outputs]
+    tpot = [(m.finish_time - m.first_token_time) / max(len(t) - 1, 1) for m, t in zip(metrics, tokens, strict=True)]
     return sum(map(len, tokens)) / wall, tpot, tokens
 
 
@@ -102,17 +105,22 @@ def main() -> None:
                     before = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
                     tok_s, tpot, outputs[name] = run(engines[name], prompts, concurrency, args.max_tokens)
                     after = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
-                    drafts, proposed, accepted = (a - b for a, b in zip(after, before))
+                    drafts, proposed, accepted = (a - b for a, b in zip(after, before, strict=True))
                     results.setdefault((workload, concurrency, name), []).append(
                         (tok_s, statistics.median(tpot), drafts, proposed, accepted)
                     )
-                    print(f"repeat {repeat} {workload:10} c={concurrency} {name:11} {tok_s:6.1f} out tok/s, "
-                          f"TPOT p50 {1000 * statistics.median(tpot):5.1f} ms", flush=True)
+                    print(
+                        f"repeat {repeat} {workload:10} c={concurrency} {name:11} {tok_s:6.1f} out tok/s, "
+                        f"TPOT p50 {1000 * statistics.median(tpot):5.1f} ms",
+                        flush=True,
+                    )
                 same = outputs["plain"] == outputs["speculative"]
                 print(f"  outputs identical: {'yes' if same else 'NO'}", flush=True)
     print(f"\n{args.speculative_config}, quantization {args.quantization}, medians of {args.repeats}:")
-    print("| workload | concurrency | plain tok/s | speculative tok/s | ratio | TPOT p50 ms plain / spec | "
-          "mean acceptance length | draft acceptance |")
+    print(
+        "| workload | concurrency | plain tok/s | speculative tok/s | ratio | TPOT p50 ms plain / spec | "
+        "mean acceptance length | draft acceptance |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for workload in WORKLOADS:
         for concurrency in args.concurrency:
@@ -121,9 +129,11 @@ def main() -> None:
             p_tok, s_tok = (statistics.median(r[0] for r in rows) for rows in (plain, spec))
             p_tpot, s_tpot = (1000 * statistics.median(r[1] for r in rows) for rows in (plain, spec))
             drafts, proposed, accepted = (sum(r[i] for r in spec) for i in (2, 3, 4))
-            print(f"| {workload} | {concurrency} | {p_tok:.1f} | {s_tok:.1f} | **{s_tok / p_tok:.2f}x** | "
-                  f"{p_tpot:.1f} / {s_tpot:.1f} | {1 + accepted / max(drafts, 1):.2f} | "
-                  f"{100 * accepted / max(proposed, 1):.0f}% |")
+            print(
+                f"| {workload} | {concurrency} | {p_tok:.1f} | {s_tok:.1f} | **{s_tok / p_tok:.2f}x** | "
+                f"{p_tpot:.1f} / {s_tpot:.1f} | {1 + accepted / max(drafts, 1):.2f} | "
+                f"{100 * accepted / max(proposed, 1):.0f}% |"
+            )
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ from server_utils import assert_server_idle, running_server
 
 MODEL = "smollm2"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal += item["price"] * item["quantity"]
     return subtotal * (1 + tax_rate)
-'''
+"""
 QUOTING = [
     f"Add a docstring to this function and return the whole function:\n\n{CODE}",
     "Fix the spelling in this text and return it unchanged otherwise:\n\nThe quick brown fox jumsp over the "
@@ -68,7 +68,8 @@ def test_greedy_chat_replies_equal_a_plain_servers_and_drafts_are_accepted(serve
         assert got.choices[0].finish_reason == want.choices[0].finish_reason
         assert got.usage.completion_tokens == want.usage.completion_tokens
     handle = servers[1]
-    drafts, proposed = handle.metric("spec_decode_num_drafts_total"), handle.metric("spec_decode_num_draft_tokens_total")
+    drafts = handle.metric("spec_decode_num_drafts_total")
+    proposed = handle.metric("spec_decode_num_draft_tokens_total")
     accepted = handle.metric("spec_decode_num_accepted_tokens_total")
     assert accepted - accepted_before > 20 and 0 < drafts and accepted <= proposed
     assert handle.metric("spec_decode_num_accepted_tokens_per_pos_total") == accepted

@@ -39,8 +39,10 @@ class ServerMetrics:
                                 "checked in one step)")  # fmt: skip
         self.spec_draft_tokens = make(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.spec_accepted = make(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
-        self.spec_accepted_per_pos = make(Counter, "spec_decode_num_accepted_tokens_per_pos",
-                                          "Draft tokens accepted, by draft position", labelnames=("position",))  # fmt: skip
+        self.spec_accepted_per_pos = make(
+            Counter, "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position",
+            labelnames=("position",),
+        )  # fmt: skip
         self._accepted_per_pos = None  # the counts at the last observation
         success = make(Counter, "request_success", "Completions finished, by reason", labelnames=("finished_reason",))
         reasons = ("stop", "length", "abort", "error")
