@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from jserve import LLM, SamplingParams
+from jserve import LLM, SamplingParams, StructuredOutputsParams
 from jserve.engine.compile_guard import compile_count
 from jserve.spec_decode import SpeculativeConfig, Speculator, propose_ngram
 
@@ -46,10 +46,9 @@ class Oracle:
         for prompt, out in zip(batch, outputs, strict=True):
             self.known[tuple(prompt)] = [c.token_ids for c in out.outputs]
 
-    def propose(self, speculator, request, limit):
+    def lookup(self, request, count):
         completions = self.known.get(tuple(request.prompt_token_ids))
-        count = min(speculator.config.num_speculative_tokens, limit)
-        if completions is None or count <= 0:
+        if completions is None:
             return np.zeros(0, np.int32)
         done = request.num_output_tokens
         drafts = np.array(completions[request.index][done : done + count], np.int32)
@@ -61,7 +60,7 @@ class Oracle:
 @pytest.fixture
 def oracle(monkeypatch):
     oracle = Oracle()
-    monkeypatch.setattr(Speculator, "propose", lambda self, request, limit: oracle.propose(self, request, limit))
+    monkeypatch.setattr(Speculator, "lookup", lambda self, request, count: oracle.lookup(request, count))
     return oracle
 
 
@@ -216,6 +215,36 @@ def test_n_completions_and_streaming(plain, spec, oracle):
     assert streamed == whole[0].outputs[0].token_ids
     assert deltas < len(streamed)  # verified runs arrive several tokens to a delta
     assert "".join(spec.stream(prompt, GREEDY)) == whole[0].outputs[0].text
+
+
+def test_structured_outputs_roll_back_rejected_drafts(plain, spec, oracle):
+    """Drafts a grammar forbids are cut before the step; the rest are verified under the masks of the grammar
+    advanced through the drafts before them, and the matcher sees only accepted tokens."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    constraints = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex="(ab|cd)+e{2,9}"),
+                   StructuredOutputsParams(choice=["alpha beta gamma", "the quick brown fox"])]  # fmt: skip
+    batch = prompts(6, seed=12)
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=60, structured_outputs=constraints[i % 3])
+              for i, t in enumerate([0, 0, 0, 0.9, 0.9, 0.9])]  # fmt: skip
+    oracle.noise = 0.15
+    before = spec_counts(spec)
+    want, got = run_both(plain, spec, oracle, batch, params)
+    for w, g in zip(want, got, strict=True):
+        assert (g.outputs[0].token_ids, g.outputs[0].finish_reason) == (
+            w.outputs[0].token_ids,
+            w.outputs[0].finish_reason,
+        )
+    assert json.loads(got[0].outputs[0].text)["b"] is not None
+    drafted, accepted = (a - b for a, b in zip(spec_counts(spec), before, strict=True))
+    assert 0 < accepted < drafted
 
 
 def test_prefix_cache_chunked_prefill_and_preemption(tiny_llama_checkpoint, plain, oracle):

@@ -232,40 +232,69 @@ class ModelRunner:
                 if stop > s.start:
                     targets[start : start + stop - s.start] = request.token_buffer[s.start + 1 : stop + 1]
         rows = [self._sampling_row(s) for s in sequences]
+        num_verify = cfg.verify_rows(bucket)
+        bitmask, verify_bitmask = self._token_bitmasks(sequences, rows, num_seqs, num_verify)
         return StepInput(
             model=model,
-            sampling=build_sampling_batch(rows, num_seqs, self._token_bitmask(sequences, rows, num_seqs)),
+            sampling=build_sampling_batch(rows, num_seqs, bitmask),
             penalties=PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset),
             pending_rows=pending_rows,
             prompt_targets=targets,
-            verify=self._verify_input(sequences, ends, cfg.verify_rows(bucket)),
+            verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
         )
 
-    def _verify_input(self, sequences: list[ScheduledSequence], ends: np.ndarray, num_rows: int) -> VerifyInput:
+    def _verify_input(
+        self, sequences: list[ScheduledSequence], ends: np.ndarray, num_rows: int, bitmask: np.ndarray
+    ) -> VerifyInput:
         """A row per draft: at the token before it (the request's latest token, then each earlier draft), with
-        the options and seeded key of a decode step that would sample there."""
-        positions = np.full(num_rows, -1, np.int32)
-        rows: list[SamplingRow] = []
-        for end, s in zip(ends, sequences, strict=True):
-            count = len(s.drafts)
-            if count:
-                positions[len(rows) : len(rows) + count] = np.arange(end - count, end)
+        its request's options and the seeded key of a decode step that would sample there."""
+        positions, rows, steps = (
+            np.full(num_rows, -1, np.int32),
+            np.zeros(num_rows, np.int32),
+            np.zeros(num_rows, np.int32),
+        )
+        constrained = np.zeros(num_rows, bool)
+        filled = 0
+        for i, (end, s) in enumerate(zip(ends, sequences, strict=True)):
+            if count := len(s.drafts):
                 request = s.request
-                num_output = request.seq_len - request.num_prompt_tokens
-                rows += [SamplingRow(request.params, request.seed, num_output + j, request.slot) for j in range(count)]
-        return VerifyInput(positions, build_sampling_batch(rows, num_rows, self._full_bitmasks[num_rows]))
+                at = slice(filled, filled + count)
+                positions[at] = np.arange(end - count, end)
+                rows[at] = i
+                steps[at] = request.seq_len - request.num_prompt_tokens + np.arange(count)
+                constrained[at] = request.grammar is not None
+                filled += count
+        return VerifyInput(positions, rows, steps, bitmask, constrained)
 
-    def _token_bitmask(self, sequences: list[ScheduledSequence], rows: list[SamplingRow], num_seqs: int) -> np.ndarray:
-        """The step's token bitmask: each constrained row's grammar says which tokens may come next."""
-        pairs = enumerate(zip(sequences, rows, strict=True))
-        constrained = [(seq.request.grammar, i) for i, (seq, row) in pairs if row.constrained]
+    def _token_bitmasks(
+        self, sequences: list[ScheduledSequence], rows: list[SamplingRow], num_seqs: int, num_verify: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The step's token bitmasks, for its rows and its verify rows: each constrained row's grammar says
+        which tokens may come next (after the drafts before the row, for a speculating request)."""
+        bitmask, verify = self._full_bitmasks[num_seqs], self._full_bitmasks[num_verify]
+        constrained = [(i, seq) for i, (seq, row) in enumerate(zip(sequences, rows, strict=True)) if row.constrained]
         if not constrained:
-            return self._full_bitmasks[num_seqs]
+            return bitmask, verify
         start = time.perf_counter()
-        bitmask = self._full_bitmasks[num_seqs].copy()  # a fresh array: the device may still read the last one
-        self.bitmask_filler.fill(constrained, bitmask)
+        bitmask = bitmask.copy()  # fresh arrays: the device may still read the last ones
+        if plain := [(seq.request.grammar, i) for i, seq in constrained if not len(seq.drafts)]:
+            self.bitmask_filler.fill(plain, bitmask)
+        if drafting := [(i, seq) for i, seq in constrained if len(seq.drafts)]:
+            # Each speculating request's masks after none, one, ... all of its drafts, then split: the first
+            # ones are its verify rows', the last its own row's.
+            verify = verify.copy()
+            verify_starts = np.cumsum([0] + [len(seq.drafts) for seq in sequences])
+            sizes = [len(seq.drafts) + 1 for _, seq in drafting]
+            offsets = np.cumsum([0, *sizes])[:-1]
+            masks = np.empty((sum(sizes), bitmask.shape[1]), np.int32)
+            entries = [(seq.request.grammar, int(o), seq.drafts) for (_, seq), o in zip(drafting, offsets, strict=True)]
+            self.bitmask_filler.fill_with_drafts(entries, masks)
+            for (i, seq), offset in zip(drafting, offsets, strict=True):
+                count = len(seq.drafts)
+                verify[verify_starts[i] : verify_starts[i] + count] = masks[offset : offset + count]
+                bitmask[i] = masks[offset + count]
         self.mask_fill_s.append(time.perf_counter() - start)
-        return bitmask
+        return bitmask, verify
 
     def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
         request = seq.request

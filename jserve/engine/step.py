@@ -48,10 +48,14 @@ class PenaltyUpdate:
 @dataclass(frozen=True)
 class VerifyInput:
     """Where the step samples again to verify draft tokens: row r samples at step token positions[r] (the
-    token before a draft), with its request's options; R rows per bucket (0 without speculation)."""
+    token before a draft) with the options of sampling row rows[r] (its request's) at output index steps[r];
+    R rows per bucket (0 without speculation). Few arrays, since each costs host time per step to pass."""
 
     positions: jax.Array  # [R] i32, -1 = unused row
-    sampling: SamplingBatch  # [R] rows
+    rows: jax.Array  # [R] i32
+    steps: jax.Array  # [R] i32
+    token_bitmask: jax.Array  # [R, ceil(V / 32)] i32
+    constrained: jax.Array  # [R] bool
 
 
 @jax.tree_util.register_dataclass
@@ -91,20 +95,24 @@ def engine_step(
         penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
     )
     out = sample(logits, step.sampling, penalty_state)
-    verified = verify_drafts(head, hidden, step.verify, penalty_state)
+    verified = verify_drafts(head, hidden, step.verify, step.sampling, penalty_state)
     return out, verified, scores, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
 
 
-def verify_drafts(head, hidden: jax.Array, verify: VerifyInput, penalty_state: PenaltyState) -> SamplerOutput:
+def verify_drafts(
+    head, hidden: jax.Array, verify: VerifyInput, sampling: SamplingBatch, penalty_state: PenaltyState
+) -> SamplerOutput:
     """Samples at the verify rows' positions (skipped at run time when the step has no drafts)."""
-    rows = verify.positions.shape[0]
-    if rows == 0:
+    count = verify.positions.shape[0]
+    if count == 0:
         return no_samples(0)
 
     def verify_rows() -> SamplerOutput:
-        return sample(head(hidden[jnp.maximum(verify.positions, 0)]), verify.sampling, penalty_state)
+        batch = jax.tree.map(lambda column: column[verify.rows], sampling)
+        batch = replace(batch, steps=verify.steps, token_bitmask=verify.token_bitmask, constrained=verify.constrained)
+        return sample(head(hidden[jnp.maximum(verify.positions, 0)]), batch, penalty_state)
 
-    return jax.lax.cond(jnp.any(verify.positions >= 0), verify_rows, lambda: no_samples(rows))
+    return jax.lax.cond(jnp.any(verify.positions >= 0), verify_rows, lambda: no_samples(count))
 
 
 def jit_engine_step(out_shardings=None):

@@ -3,8 +3,9 @@
 A step that verifies drafts costs more than a plain decode (on CPU a 5-token step ~1.6-2.4x a 1-token
 one), so proposing pays only while enough drafts are accepted. Each request keeps a running mean of the
 tokens its verifications accepted; when it falls below the break-even (the measured cost ratio of a verify
-step less one), or a lookup finds nothing, the request stops proposing for a few steps, twice as many each
-time it happens again (reset by a verification that pays). Requests that rarely match so cost ~nothing.
+step less one), the request stops proposing for a few steps, twice as many each time it happens again
+(reset by a verification that pays). A lookup that finds nothing costs no back-off: text that quotes its
+prompt resumes quoting after a changed word, and the next lookup should catch it.
 
 Contract: the only writer of its per-request records and of the engine's speculation counters.
 """
@@ -53,24 +54,29 @@ class Speculator:
         """Whether the request would propose this step (given its latest token): its options allow it and it
         is not backing off."""
         params = request.params
-        if params.uses_penalties or request.grammar is not None:
-            return False  # their step-by-step state (token counts, grammar) would see rejected drafts
+        if params.uses_penalties:
+            return False  # the token counts they read would count rejected drafts
         if request.num_output_tokens < params.min_tokens:
             return False  # a stop id is suppressed at some positions and not at others
         record = self._records.get(request.request_id)
         return record is None or self.step >= record.next_step
 
     def propose(self, request: Request, limit: int) -> np.ndarray:
-        """Up to `limit` draft tokens to follow the request's known tokens (empty: none found)."""
-        config = self.config
-        count = min(config.num_speculative_tokens, limit)
+        """Up to `limit` draft tokens to follow the request's known tokens (empty: none found); with a grammar,
+        only as many as it allows."""
+        count = min(self.config.num_speculative_tokens, limit)
         if count <= 0:
             return np.zeros(0, np.int32)
-        tokens = request.token_buffer[: request.num_tokens]
-        drafts = propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max, count)
-        if len(drafts) == 0:
-            self._back_off(self._record(request))
+        drafts = self.lookup(request, count)
+        if request.grammar is not None:
+            drafts = drafts[: request.grammar.valid_prefix(drafts)]
         return drafts
+
+    def lookup(self, request: Request, count: int) -> np.ndarray:
+        """The method's proposal of `count` tokens (or fewer) after the request's known tokens."""
+        config = self.config
+        tokens = request.token_buffer[: request.num_tokens]
+        return propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max, count)
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The target model accepted the first `num_accepted` of the request's `num_drafts` drafts."""

@@ -10,7 +10,7 @@ import os
 
 import llguidance as llg
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 MASK_THREADS = 8  # at most; never more than the CPU cores
 
@@ -27,6 +27,10 @@ class GrammarMatcher:
         """Advance past a sampled token."""
         if not self._matcher.consume_token(token_id):
             raise GrammarViolation(f"token {token_id} is not allowed by the grammar: {self._matcher.get_error()}")
+
+    def valid_prefix(self, token_ids: np.ndarray) -> int:
+        """How many of the tokens, in order, the grammar would accept from here (nothing is consumed)."""
+        return self._matcher.validate_tokens([int(t) for t in token_ids])
 
     @property
     def terminated(self) -> bool:
@@ -49,6 +53,16 @@ class BitmaskFiller:
         self._executor: llg.LLExecutor | None = None
 
     def fill(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        fill_next_token_bitmask_par(self.executor, [(m.llguidance_matcher, row) for m, row in rows], bitmask)
+
+    def fill_with_drafts(self, rows: list[tuple[GrammarMatcher, int, np.ndarray]], bitmask: np.ndarray) -> None:
+        """For each (matcher, row, drafts): rows row .. row + len(drafts) get the masks after each prefix of
+        the drafts (none, the first, ..., all), which the grammar must allow; the matcher is left as it was."""
+        entries = [(m.llguidance_matcher, row, [int(t) for t in drafts]) for m, row, drafts in rows]
+        fill_next_token_bitmask_par_with_draft_tokens(self.executor, entries, bitmask)
+
+    @property
+    def executor(self) -> llg.LLExecutor:
         if self._executor is None:
             self._executor = llg.LLExecutor(min(MASK_THREADS, os.cpu_count() or 1))
-        fill_next_token_bitmask_par(self._executor, [(m.llguidance_matcher, row) for m, row in rows], bitmask)
+        return self._executor
