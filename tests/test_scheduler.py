@@ -206,3 +206,31 @@ def test_penalised_requests_compute_their_whole_history():
     scheduler.add(request)
     assert run_step(scheduler) == [("p", 0, 12)]
     check(scheduler)
+
+
+def test_drafts_are_scheduled_within_limits_and_rejected_ones_give_their_pages_back():
+    from jserve.spec_decode import SpeculativeConfig, Speculator
+
+    scheduler = make_scheduler(budget=64, page_size=4, caching=True)
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=2),
+                            scheduler.stats)  # fmt: skip
+    scheduler.speculator = speculator
+    # A prompt that repeats, with max_tokens leaving room for 3 tokens after the first.
+    request = Request("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=4), seed=0, arrival_index=0,
+                      max_model_len=256)  # fmt: skip
+    scheduler.add(request)
+    assert run_step(scheduler, new_token=7) == [("r", 0, 10)]  # the prefill samples 7: "5 6 7" occurred before
+    out = scheduler.schedule()
+    (seq,) = out.sequences
+    assert seq.drafts.tolist() == [8, 5]  # what followed "6 7", cut to max_tokens: 1 + 2 drafts fill it
+    assert seq.num_tokens == 3 and seq.samples and seq.token_ids.tolist() == [7, 8, 5]
+    scheduler.kv.advance(request, seq.num_tokens)
+    assert request.num_computed_tokens == 13 and len(request.pages) == 4
+    scheduler.kv.reject(request, 2)  # neither draft accepted
+    assert request.num_computed_tokens == 11 and len(request.pages) == 3
+    assert_pages_whole(scheduler)
+    request.append_token(9)
+    scheduler.finish(request, "stop")
+    # Only known tokens are cached: the 11 computed, not the drafts' positions.
+    assert scheduler.kv.cache.num_pages == 2
+    scheduler.check_idle()
