@@ -235,9 +235,9 @@ class LLMEngine:
             self.stats.resume()
         changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
         waited = 0.0
-        if self.in_flight is not None and (self.in_flight.blocks_next or self.scheduler.wants_latest_tokens()):
-            # A grammar's next mask, a verification's outcome or a proposal needs the step in flight: this step
-            # waits for it (no overlap).
+        if self.in_flight is not None and self.in_flight.blocks_next:
+            # A grammar's next mask or a verification's outcome needs the step in flight: this step waits for
+            # it (no overlap).
             waited, self.in_flight = self._process(self.in_flight, changed), None
         scheduled = self.scheduler.schedule()
         self.stats.preemptions += len(scheduled.preempted)

@@ -220,8 +220,8 @@ class ModelRunner:
         pending_rows = np.full(bucket, -1, np.int32)
         ends = np.cumsum(lens) - 1
         for end, s in zip(ends, sequences, strict=True):
-            if s.request.num_pending and s.start + s.num_tokens == s.request.seq_len:
-                pending_rows[end] = s.request.pending_row
+            if s.request.num_pending and s.samples:  # its own last token (drafts follow it)
+                pending_rows[end - len(s.drafts)] = s.request.pending_row
 
         # A chunk of a prompt being scored scores each of its tokens' successor in the prompt.
         targets = np.full(bucket, -1, np.int32)

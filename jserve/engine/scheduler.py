@@ -112,12 +112,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         bisect.insort(self.waiting, request, key=_queue_order)
 
-    def wants_latest_tokens(self) -> bool:
-        """Whether a running request would propose drafts this step if its latest token were known: the
-        engine then fetches the step in flight first."""
-        spec = self.speculator
-        return spec is not None and spec.active(len(self.running)) and any(map(spec.wants, self.running))
-
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
@@ -153,9 +147,9 @@ class Scheduler:
         return SchedulerOutput(self._fit_to_bucket(scheduled), preempted)
 
     def _drafts(self, request: Request, room: int) -> np.ndarray:
-        """Drafts for a decoding request whose latest token is known, as many as fit the step's budget and
-        the request's max_tokens and max_model_len (the step yields up to one token more than its drafts)."""
-        decoding = request.num_pending == 0 and request.num_computed_tokens == request.seq_len - 1
+        """Drafts for a decoding request, as many as fit the step's budget and the request's max_tokens and
+        max_model_len (the step yields up to one token more than its drafts)."""
+        decoding = request.num_computed_tokens == request.seq_len - 1
         if not decoding or not self.speculator.wants(request):
             return NO_DRAFTS
         limit = min(room, self.config.max_model_len - 1 - request.seq_len)

@@ -51,8 +51,7 @@ class Speculator:
         return num_running <= self.config.disable_by_batch_size
 
     def wants(self, request: Request) -> bool:
-        """Whether the request would propose this step (given its latest token): its options allow it and it
-        is not backing off."""
+        """Whether the request would propose this step: its options allow it and it is not backing off."""
         params = request.params
         if params.uses_penalties:
             return False  # the token counts they read would count rejected drafts
@@ -62,12 +61,18 @@ class Speculator:
         return record is None or self.step >= record.next_step
 
     def propose(self, request: Request, limit: int) -> np.ndarray:
-        """Up to `limit` draft tokens to follow the request's known tokens (empty: none found); with a grammar,
-        only as many as it allows."""
+        """Up to `limit` draft tokens to follow the request's latest token (empty: none found); with a
+        grammar, only as many as it allows.
+
+        With async scheduling the latest token may still be in flight (its step not fetched): the lookup
+        then proposes one token more after the known ones, and the first, its guess of the token in flight,
+        is dropped. A wrong guess costs only acceptance: each draft is checked against what the model samples
+        after the actual tokens."""
         count = min(self.config.num_speculative_tokens, limit)
-        if count <= 0:
+        guessed = request.num_pending  # 0 or 1 (a step in flight)
+        if count <= 0 or guessed > 1 or (guessed and request.grammar is not None):
             return np.zeros(0, np.int32)
-        drafts = self.lookup(request, count)
+        drafts = self.lookup(request, count + guessed)[guessed:]
         if request.grammar is not None:
             drafts = drafts[: request.grammar.valid_prefix(drafts)]
         return drafts
