@@ -1,7 +1,8 @@
 """The engine's whole step for a GPU and a TPU, lowered on this CPU host (which needs neither).
 
 An 8B-shaped Llama in bfloat16 goes through the runner's own jitted step and batch preparation with the
-attention backend the accelerator resolves to. Lowering checks that every operation of the step has a
+attention backend the accelerator resolves to (with n-gram speculation on, so the step's verify rows are
+lowered too). Lowering checks that every operation of the step has a
 lowering there, that the Pallas kernel is in it, and that nothing CPU-only (jserve's C++ kernels) is: this
 is the program `benchmarks/roofline.py --model random:llama3-8b` runs on a GPU.
 """
@@ -31,7 +32,9 @@ PLATFORMS = {"cuda": ("gpu", TRITON_CALL), "tpu": ("tpu", "tpu_custom_call")}
 @pytest.fixture(scope="module")
 def runner(tiny_llama_checkpoint):
     folder, _ = tiny_llama_checkpoint
-    return LLM(str(folder), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256).engine.runner
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(str(folder), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, speculative_config=spec)
+    return llm.engine.runner
 
 
 def lower_step(runner, platform: str, attention, quantization: str = "none", dtype=jnp.bfloat16) -> list[str]:
@@ -47,7 +50,9 @@ def lower_step(runner, platform: str, attention, quantization: str = "none", dty
     for bucket in (1, runner.config.token_buckets[-1]):
         step = runner.prepare([], bucket)  # the tiny model's batch: its token bitmask is resized to the 8B vocabulary
         bitmask = full_bitmask(step.sampling.token_bitmask.shape[0], config.vocab_size)
-        step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask))
+        verify_bitmask = full_bitmask(step.verify.token_bitmask.shape[0], config.vocab_size)
+        step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask),
+                       verify=replace(step.verify, token_bitmask=verify_bitmask))  # fmt: skip
         args = (graphdef, attention, params_def, params, kv_cache, penalties, runner.sampled, step)
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())

@@ -315,3 +315,8 @@ def test_lookup_proposes_what_followed_the_longest_latest_match():
     assert propose_ngram(tokens, 1, 2, 2).tolist() == [7, 1]  # longest is 2: the latest "2 3"
     assert propose_ngram(tokens, 4, 4, 3).tolist() == []
     assert propose_ngram(np.array([5, 6, 7]), 1, 3, 2).tolist() == []
+
+
+def test_a_bad_config_fails_before_the_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM(str(tmp_path / "no-such-model"), speculative_config={"method": "ngram", "k": 3})

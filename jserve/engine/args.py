@@ -21,6 +21,7 @@ from jserve.parallel import make_mesh
 from jserve.parallel.distributed import agree_on_min
 from jserve.paths import cache_dir
 from jserve.setting import add_flags, from_namespace, setting
+from jserve.spec_decode import SpeculativeConfig
 
 log = logging.getLogger("jserve")
 
@@ -99,6 +100,9 @@ class EngineArgs:
         "the last n tokens; the target model verifies the drafts in one step (greedy output is unchanged). "
         '"disable_by_batch_size" (default 4): speculate only while at most this many requests run',
     )
+
+    def __post_init__(self):
+        SpeculativeConfig.parse(self.speculative_config)  # a bad config fails now, before the model loads
 
     def create_engine(self) -> LLMEngine:
         start = time.perf_counter()

@@ -167,7 +167,10 @@ def resolve_engine_config(
         max_num_seqs=max_num_seqs, smem_bytes=limits.smem_bytes,
     )  # fmt: skip
     page_bytes = page_size * kv_cache_bytes_per_token(model, kv_cache_dtype) // args.tensor_parallel_size
-    largest_step = (max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs))
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    # The sampler's rows: the step's sequences, and its verify rows with speculation.
+    verify_rows = speculative.disable_by_batch_size * speculative.num_speculative_tokens if speculative else 0
+    largest_step = (max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs) + verify_rows)
     workspace = step_workspace_bytes(model, page_size, *largest_step, max_num_seqs)
     fits = default_kv_cache_memory(limits, workspace)
     memory = kv_cache_memory if kv_cache_memory is not None else fits
@@ -200,5 +203,5 @@ def resolve_engine_config(
         attention_backend=attention_backend,
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=kv_cache_dtype,
-        speculative=SpeculativeConfig.parse(args.speculative_config),
+        speculative=speculative,
     )
