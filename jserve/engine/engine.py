@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
@@ -104,20 +105,24 @@ class LLMEngine:
                  "on" if config.async_scheduling else "off")  # fmt: skip
         self.runner.warm_up()
         if self.speculator is not None:
-            self._choose_break_even()
+            self._measure_step_costs()
         self.stats.start()
 
-    def _choose_break_even(self) -> None:
-        """Measure what a verify step costs against a decode step: a request keeps proposing while its drafts
-        gain at least what the difference costs."""
+    def _measure_step_costs(self) -> None:
+        """Time steps of the sizes a speculating batch makes (its requests' tokens, with all their drafts or
+        none): the Speculator weighs drafts against them."""
         spec = self.config.speculative
-        verify = self.runner.bucket_for(spec.num_speculative_tokens + 1)
-        ratio = self.runner.step_seconds(verify) / self.runner.step_seconds(self.runner.bucket_for(1))
-        self.speculator.break_even = max(0.0, ratio - 1)
+        requests = range(1, min(spec.disable_by_batch_size, self.config.max_num_seqs) + 1)
+        drafts = {n: 0 for n in requests} | {n * (spec.num_speculative_tokens + 1): n * spec.num_speculative_tokens
+                                             for n in requests}  # fmt: skip
+        sizes = sorted(n for n in drafts if n <= self.config.max_num_batched_tokens)
+        progress = tqdm(sizes, desc="Timing speculative steps", unit="step")
+        costs = {n: self.runner.step_seconds(n, drafts[n]) for n in progress}
+        self.speculator.set_step_costs(costs)
         log.info("Speculative decoding: %s, %d draft tokens, n-grams of %d-%d tokens, up to %d running requests; "
-                 "a verify step of %d tokens costs %.2fx a decode step, so a request keeps proposing while its "
-                 "verifications accept %.2f drafts on average", spec.method, spec.num_speculative_tokens,
-                 spec.prompt_lookup_min, spec.prompt_lookup_max, spec.disable_by_batch_size, verify, ratio,
+                 "step ms by tokens: %s; a request keeps proposing while its verifications accept %.2f drafts on "
+                 "average", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                 spec.disable_by_batch_size, ", ".join(f"{n}: {1000 * c:.1f}" for n, c in costs.items()),
                  self.speculator.break_even)  # fmt: skip
 
     # --- requests in -----------------------------------------------------------------------------

@@ -139,6 +139,9 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
 
+        if speculating:  # drafts only where they pay for the larger step; the budget they free goes to admissions
+            scheduled = self.speculator.worthwhile(scheduled)
+            budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         # Admit only when nothing had to be preempted: pages are short.
         if not preempted:
             self._admit_waiting(scheduled, budget)

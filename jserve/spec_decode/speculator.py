@@ -12,6 +12,7 @@ Contract: the only writer of its per-request records and of the engine's specula
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,7 @@ from jserve.spec_decode.ngram import propose_ngram
 
 if TYPE_CHECKING:
     from jserve.engine.request import Request
+    from jserve.engine.scheduler import ScheduledSequence
     from jserve.engine.stats import EngineStats
 
 MAX_BACKOFF_STEPS = 32
@@ -42,6 +44,46 @@ class Speculator:
         self.break_even = 0.0  # accepted drafts per verification below which proposing costs more than it saves
         self.step = 0
         self._records: dict[str, _Record] = {}
+        self._sizes = np.zeros(0)  # step sizes (tokens) timed, ascending, and their seconds (set_step_costs)
+        self._seconds = np.zeros(0)
+
+    def set_step_costs(self, seconds: dict[int, float]) -> None:
+        """The measured time of steps of some token counts (1 to disable_by_batch_size requests, with all their
+        drafts or none): what `worthwhile` weighs drafts against, interpolated between them; the break-even
+        is a lone request's verify step against its decode step."""
+        self._sizes = np.array(sorted(seconds), float)
+        self._seconds = np.array([seconds[n] for n in sorted(seconds)])
+        verify = self._cost(self.config.num_speculative_tokens + 1)
+        self.break_even = max(0.0, verify / self._cost(1) - 1)
+
+    def _cost(self, num_tokens: int) -> float:
+        return float(np.interp(num_tokens, self._sizes, self._seconds))
+
+    def worthwhile(self, sequences: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """The step's sequences, keeping drafts only where they pay: a larger step costs more for everyone in
+        it, so drafts are dropped, the least promising first, while that raises the tokens the step is
+        expected to yield per second (each request's drafts are expected to be accepted at its running mean,
+        or half of them before it has one)."""
+        drafting = sorted((i for i, seq in enumerate(sequences) if len(seq.drafts)),
+                          key=lambda i: self._expected(sequences[i]))  # fmt: skip
+        if not drafting or not len(self._sizes):
+            return sequences
+        base_tokens = sum(seq.num_tokens - len(seq.drafts) for seq in sequences)
+        base_yield = sum(seq.samples for seq in sequences)
+
+        def rate(kept: list[int]) -> float:
+            tokens = base_tokens + sum(len(sequences[i].drafts) for i in kept)
+            return (base_yield + sum(self._expected(sequences[i]) for i in kept)) / self._cost(tokens)
+
+        options = [drafting[start:] for start in range(len(drafting) + 1)]  # drop the least promising first
+        kept = set(max(options, key=rate))
+        return [seq if i in kept or not len(seq.drafts) else _without_drafts(seq) for i, seq in enumerate(sequences)]
+
+    def _expected(self, seq: ScheduledSequence) -> float:
+        """Drafts of the sequence the step is expected to accept."""
+        record = self._records.get(seq.request.request_id)
+        mean = record.mean_accepted if record is not None and record.mean_accepted is not None else None
+        return min(len(seq.drafts), mean if mean is not None else len(seq.drafts) / 2)
 
     def next_step(self) -> None:
         self.step += 1
@@ -108,3 +150,7 @@ class Speculator:
     def _back_off(self, record: _Record) -> None:
         record.next_step = self.step + 1 + record.backoff
         record.backoff = min(2 * record.backoff, MAX_BACKOFF_STEPS)
+
+
+def _without_drafts(seq: ScheduledSequence) -> ScheduledSequence:
+    return dataclasses.replace(seq, num_tokens=seq.num_tokens - len(seq.drafts), drafts=seq.drafts[:0])
