@@ -36,6 +36,7 @@ class _Record:
     next_step: int = 0  # it may propose again from this step on
     backoff: int = 1  # steps it waits after its next disappointment
     mean_accepted: float | None = None  # running mean of accepted drafts per verification
+    guess: tuple[int, int] | None = None  # (position, token): the latest proposal's guess of a token in flight
 
 
 class Speculator:
@@ -114,7 +115,12 @@ class Speculator:
         guessed = request.num_pending  # 0 or 1 (a step in flight)
         if count <= 0 or guessed > 1 or (guessed and request.grammar is not None):
             return np.zeros(0, np.int32)
-        drafts = self.lookup(request, count + guessed)[guessed:]
+        proposal = self.lookup(request, count + guessed)
+        drafts = proposal[guessed:]
+        if guessed and len(drafts):
+            self._record(request).guess = (request.num_tokens, int(proposal[0]))
+        elif request.request_id in self._records:
+            self._records[request.request_id].guess = None
         if request.grammar is not None:
             drafts = drafts[: request.grammar.valid_prefix(drafts)]
         return drafts
@@ -133,6 +139,10 @@ class Speculator:
         stats.spec_accepted_tokens += num_accepted
         stats.spec_accepted_per_pos[:num_accepted] += 1
         record = self._record(request)
+        if record.guess is not None:
+            (position, token), record.guess = record.guess, None
+            if request.token_buffer[position] != token:
+                return  # the drafts followed a wrong guess of the token in flight: no verdict on the lookup
         mean = num_accepted if record.mean_accepted is None else (record.mean_accepted + num_accepted) / 2
         record.mean_accepted = mean
         if mean < self.break_even or num_accepted == 0:
