@@ -1,7 +1,10 @@
 """Runs in a subprocess with several host CPU devices (XLA_FLAGS must be set before jax is imported):
 one model at several tensor-parallel sizes; prints JSON with greedy tokens, prompt logits and per-device bytes.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/tensor_parallel_worker.py MODEL QUANT TP [TP ...]
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+        python tests/tensor_parallel_worker.py MODEL QUANT SPEC TP [TP ...]
+
+SPEC: "none", or "ngram" for n-gram speculative decoding.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ def bytes_per_device(tree) -> list[int]:
 def main() -> None:
     model = None if sys.argv[1] == "default" else sys.argv[1]  # "default": SmolLM2-135M
     quantization = sys.argv[2]
-    sizes = [int(s) for s in sys.argv[3:]]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    speculative = ngram if sys.argv[3] == "ngram" else None
+    sizes = [int(s) for s in sys.argv[4:]]
     results = {}
     for tp in sizes:
         llm = LLM(
@@ -42,6 +47,7 @@ def main() -> None:
             max_num_batched_tokens=64,
             kv_cache_memory=(48 << 20) // tp,  # per device: the same pages at every size
             quantization=quantization,
+            speculative_config=speculative,
         )
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         results[tp] = {
@@ -52,6 +58,7 @@ def main() -> None:
             "num_kv_heads": llm.engine.model.config.num_kv_heads,
             "num_pages": llm.engine.config.num_pages,
             "kv_shard_shape": list(llm.engine.runner.kv_cache[0].k.addressable_shards[0].data.shape),
+            "draft_tokens": llm.engine.stats.spec_draft_tokens,
         }
     json.dump(results, sys.stdout)
 

@@ -22,9 +22,9 @@ from tiny_models import save_tiny_checkpoint
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
-def run_worker(model: str, sizes: list[int], quantization: str = "none") -> dict:
+def run_worker(model: str, sizes: list[int], quantization: str = "none", speculative: str = "none") -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    done = subprocess.run([sys.executable, str(WORKER), model, quantization, *map(str, sizes)], env=env,
+    done = subprocess.run([sys.executable, str(WORKER), model, quantization, speculative, *map(str, sizes)], env=env,
                           capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return {int(tp): result for tp, result in json.loads(done.stdout).items()}
@@ -57,6 +57,17 @@ def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     assert results[4]["num_kv_heads"] == 4
     vocab, hidden = 320, 64
     check_against_one_device(results, replicated_weight_bytes=vocab * hidden * 4 + 2 * 1024 * 4)
+
+
+def test_speculative_decoding_at_tp_2(tmp_path):
+    """Verify rows sampled from vocabulary-parallel logits: the same greedy tokens as one device without
+    speculation."""
+    save_tiny_checkpoint(tmp_path, "llama")
+    plain = run_worker(str(tmp_path), [1])
+    speculative = run_worker(str(tmp_path), [1, 2], speculative="ngram")
+    for tp in (1, 2):
+        assert speculative[tp]["tokens"] == plain[1]["tokens"], f"tp={tp}"
+        assert speculative[tp]["draft_tokens"] > 0
 
 
 def test_a_converted_folder_loads_sharded(tmp_path):
