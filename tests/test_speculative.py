@@ -21,20 +21,17 @@ from jserve.engine.stats import EngineStats
 from jserve.spec_decode import SpeculativeConfig, Speculator, propose_ngram
 from jserve.structured import GrammarMatcher
 
-from tiny_models import VARIANTS, VOCAB_SIZE, assert_engine_idle, save_tiny_checkpoint, tiny_engine_args, tiny_kv_bytes
+from test_engine import prompts as engine_prompts
+from test_engine import tiny_llm, token_ids
+from tiny_models import VARIANTS, VOCAB_SIZE, assert_engine_idle, save_tiny_checkpoint, tiny_kv_bytes
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 8}  # fmt: skip
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def tiny_llm(folder, **kwargs) -> LLM:
-    return LLM.from_engine_args(tiny_engine_args(folder, **kwargs))
-
-
 def prompts(count, seed=0, low=5, high=60):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB_SIZE, int(rng.integers(low, high))).tolist() for _ in range(count)]
+    return engine_prompts(count, seed, low, high)
 
 
 class Oracle:
@@ -80,10 +77,6 @@ def run_both(plain, spec, oracle, batch, params):
     want = plain.generate(batch, params, use_tqdm=False)
     oracle.learn(batch, want)
     return want, spec.generate(batch, params, use_tqdm=False)
-
-
-def token_ids(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def spec_counts(llm) -> tuple[int, int]:
