@@ -63,8 +63,7 @@ class Speculator:
     def worthwhile(self, sequences: list[ScheduledSequence]) -> list[ScheduledSequence]:
         """The step's sequences, keeping drafts only where they pay: a larger step costs more for everyone in
         it, so drafts are dropped, the least promising first, while that raises the tokens the step is
-        expected to yield per second (each request's drafts are expected to be accepted at its running mean,
-        or half of them before it has one)."""
+        expected to yield per second (see _expected)."""
         drafting = sorted((i for i, seq in enumerate(sequences) if len(seq.drafts)),
                           key=lambda i: self._expected(sequences[i]))  # fmt: skip
         if not drafting or not len(self._sizes):
@@ -81,10 +80,11 @@ class Speculator:
         return [seq if i in kept or not len(seq.drafts) else _without_drafts(seq) for i, seq in enumerate(sequences)]
 
     def _expected(self, seq: ScheduledSequence) -> float:
-        """Drafts of the sequence the step is expected to accept."""
+        """Drafts of the sequence the step is expected to accept: its running mean, or all of them while it has
+        none (a request gets to show what its drafts are worth; its back-off limits what that costs)."""
         record = self._records.get(seq.request.request_id)
-        mean = record.mean_accepted if record is not None and record.mean_accepted is not None else None
-        return min(len(seq.drafts), mean if mean is not None else len(seq.drafts) / 2)
+        mean = record.mean_accepted if record is not None else None
+        return min(len(seq.drafts), mean if mean is not None else len(seq.drafts))
 
     def next_step(self) -> None:
         self.step += 1
