@@ -20,7 +20,7 @@ from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput, bias_entries
-from jserve.engine.scheduler import ScheduledSequence, Scheduler
+from jserve.engine.scheduler import ScheduledSequence, Scheduler, verify_row_starts
 from jserve.engine.stats import EngineStats
 from jserve.errors import RequestError
 from jserve.loader import LoadedModel
@@ -323,13 +323,12 @@ class LLMEngine:
         waited += self._record_prompt_scores(step)
         stats = self.stats
         now = time.monotonic()
-        verify_row = 0  # each speculating sequence's first verify row
-        for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
+        sequences = zip(step.sequences, step.samples, verify_row_starts(step.sequences), strict=True)
+        for row, (seq, sampled, verify_row) in enumerate(sequences):
             request = seq.request
             tokens = [(samples, row)]
             if len(seq.drafts):
                 tokens = self._verified_tokens(seq, verified, verify_row, samples, row)
-                verify_row += len(seq.drafts)
             if not sampled or request.is_finished:  # finished by the step before: this token is surplus
                 continue
             changed.add(request.parent_id)

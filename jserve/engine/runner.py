@@ -29,7 +29,7 @@ from jserve.engine.sampler import (
     full_bitmask,
     init_penalty_state,
 )
-from jserve.engine.scheduler import ScheduledSequence
+from jserve.engine.scheduler import ScheduledSequence, verify_row_starts
 from jserve.engine.step import PenaltyUpdate, StepInput, VerifyInput, init_sampled, jit_engine_step
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
@@ -267,16 +267,14 @@ class ModelRunner:
             np.zeros(num_rows, np.int32),
         )
         constrained = np.zeros(num_rows, bool)
-        filled = 0
-        for i, (end, s) in enumerate(zip(ends, sequences, strict=True)):
+        for i, (end, first, s) in enumerate(zip(ends, verify_row_starts(sequences), sequences, strict=True)):
             if count := len(s.drafts):
                 request = s.request
-                at = slice(filled, filled + count)
+                at = slice(first, first + count)
                 positions[at] = np.arange(end - count, end)
                 rows[at] = i
                 steps[at] = request.seq_len - request.num_prompt_tokens + np.arange(count)
                 constrained[at] = request.grammar is not None
-                filled += count
         return VerifyInput(positions, rows, steps, bitmask, constrained)
 
     def _token_bitmasks(
@@ -296,7 +294,7 @@ class ModelRunner:
             # Each speculating request's masks after none, one, ... all of its drafts, then split: the first
             # ones are its verify rows', the last its own row's.
             verify = verify.copy()
-            verify_starts = np.cumsum([0] + [len(seq.drafts) for seq in sequences])
+            verify_starts = verify_row_starts(sequences)
             sizes = [len(seq.drafts) + 1 for _, seq in drafting]
             offsets = np.cumsum([0, *sizes])[:-1]
             masks = np.empty((sum(sizes), bitmask.shape[1]), np.int32)

@@ -13,8 +13,8 @@ With prefix caching, an admitted request starts from the longest cached run of w
 prompt pages enter the cache after every chunk; at finish or preemption all computed pages do. Pages run
 short -> the cache evicts unlocked least-recently-used pages first, and only then is a request preempted.
 
-With speculative decoding, a decoding request whose latest token is known may add draft tokens (from the
-Speculator) to its step, budget and pages permitting; the step verifies them (see engine.py).
+With speculative decoding, a decoding request may add draft tokens (from the Speculator) to its step, budget
+and pages permitting; the step verifies them (see engine.py).
 
 Contract: the Scheduler owns the waiting and running queues and is the only writer of a request's status,
 admission order, preemption count, cache-hit count and schedule/finish times. It changes slots only through
@@ -67,6 +67,11 @@ class ScheduledSequence:
         end = self.start + self.num_tokens - len(self.drafts)
         own = self.request.token_buffer[self.start : end]
         return np.concatenate([own, self.drafts]) if len(self.drafts) else own
+
+
+def verify_row_starts(sequences: list[ScheduledSequence]) -> np.ndarray:
+    """Each sequence's first verify row in its step: the step verifies the drafts in sequence order."""
+    return np.cumsum([0] + [len(s.drafts) for s in sequences])[:-1]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
+
 log = logging.getLogger("jserve")
 
 LOG_INTERVAL_S = 10.0
@@ -29,7 +31,7 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
-    spec_accepted_per_pos: np.ndarray = field(default_factory=lambda: np.zeros(16, np.int64))
+    spec_accepted_per_pos: np.ndarray = field(default_factory=lambda: np.zeros(MAX_SPECULATIVE_TOKENS, np.int64))
     _last_log: float = field(default_factory=time.monotonic, repr=False)  # the interval's start
     _last_step_end: float = field(default_factory=time.monotonic, repr=False)
     _last_counts: tuple[int, int] = (0, 0)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
 # Proposals are verified only while at most this many requests run (vLLM's disable_by_batch_size): a big
 # batch already reads the weights once for many tokens, and every draft token there is extra compute.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
@@ -66,7 +67,8 @@ class SpeculativeConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
-        if self.num_speculative_tokens > 16:
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(
-                f"speculative_config: num_speculative_tokens must be at most 16, got {self.num_speculative_tokens}"
+                f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
             )
