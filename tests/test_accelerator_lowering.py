@@ -1,12 +1,13 @@
 """The engine's whole step for a GPU and a TPU, lowered on this CPU host (which needs neither).
 
 An 8B-shaped Llama in bfloat16 goes through the runner's own jitted step and batch preparation with the
-attention backend the accelerator resolves to (with n-gram speculation on, so the step's verify rows are
-lowered too). Lowering checks that every operation of the step has a
+attention backend the accelerator resolves to (with draft-model speculation on, so the step's verify rows
+and a 2-layer draft model's proposal loop are lowered too). Lowering checks that every operation of the step has a
 lowering there, that the Pallas kernel is in it, and that nothing CPU-only (jserve's C++ kernels) is: this
 is the program `benchmarks/roofline.py --model random:llama3-8b` runs on a GPU.
 """
 
+import dataclasses
 from dataclasses import replace
 from functools import partial
 
@@ -21,6 +22,7 @@ from jserve.engine.sampler import full_bitmask
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import abstract_model
 from jserve.models.quantization import QUANTIZATIONS
+from jserve.spec_decode import Drafter
 
 from accelerators import lowering_for
 
@@ -32,7 +34,7 @@ PLATFORMS = {"cuda": ("gpu", TRITON_CALL), "tpu": ("tpu", "tpu_custom_call")}
 @pytest.fixture(scope="module")
 def runner(tiny_llama_checkpoint):
     folder, _ = tiny_llama_checkpoint
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    spec = {"model": str(folder), "num_speculative_tokens": 4}
     llm = LLM(str(folder), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, speculative_config=spec)
     return llm.engine.runner
 
@@ -45,6 +47,10 @@ def lower_step(runner, platform: str, attention, quantization: str = "none", dty
     page_shape = (runner.config.num_pages, runner.config.page_size, config.num_kv_heads, config.head_dim)
     pages = jax.ShapeDtypeStruct(page_shape, dtype)
     kv_cache = (KVPages(pages, pages),) * config.num_layers
+    draft_config = dataclasses.replace(config, num_layers=2, sliding_windows=config.sliding_windows[:2])
+    draft_graphdef, draft_abstract = abstract_model(draft_config, dtype, quantization)
+    draft_params, draft_def = jax.tree_util.tree_flatten(draft_abstract)
+    drafter = Drafter(draft_graphdef, draft_def, config.vocab_size, runner.drafter.num_tokens)
     penalties = jax.eval_shape(partial(init_penalty_state, runner.config.max_num_seqs, config.vocab_size))
     texts = []
     for bucket in (1, runner.config.token_buckets[-1]):
@@ -53,7 +59,8 @@ def lower_step(runner, platform: str, attention, quantization: str = "none", dty
         verify_bitmask = full_bitmask(step.verify.token_bitmask.shape[0], config.vocab_size)
         step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask),
                        verify=replace(step.verify, token_bitmask=verify_bitmask))  # fmt: skip
-        args = (graphdef, attention, params_def, params, kv_cache, penalties, runner.sampled, step)
+        args = (graphdef, attention, params_def, drafter, params, draft_params, kv_cache, kv_cache[:2], penalties,
+                runner.sampled, step)  # fmt: skip
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
     return texts

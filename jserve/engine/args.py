@@ -15,13 +15,13 @@ from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.config import SCHEDULE_POLICIES, resolve_engine_config
 from jserve.engine.engine import LLMEngine
 from jserve.loader import DTYPES as FLOAT_DTYPES
-from jserve.loader import load_model
+from jserve.loader import LoadedModel, load_model
 from jserve.models.quantization import QUANTIZATIONS
 from jserve.parallel import make_mesh
 from jserve.parallel.distributed import agree_on_min
 from jserve.paths import cache_dir
 from jserve.setting import add_flags, from_namespace, setting
-from jserve.spec_decode import SpeculativeConfig
+from jserve.spec_decode import SpeculativeConfig, check_draft_model
 
 log = logging.getLogger("jserve")
 
@@ -118,12 +118,24 @@ class EngineArgs:
             download_dir=self.download_dir,
             gguf_file=self.gguf_file,
         )
-        config = resolve_engine_config(self, loaded.config, loaded.dtype)
+        draft = self._load_draft_model(loaded, mesh)
+        config = resolve_engine_config(self, loaded.config, loaded.dtype, draft=draft.config if draft else None)
         # Hosts may differ in free memory; they must not differ in KV shapes.
         config = replace(config, num_pages=agree_on_min(config.num_pages))
-        engine = LLMEngine(loaded, config)
+        engine = LLMEngine(loaded, config, draft)
         log.info("Engine ready in %.1fs", time.perf_counter() - start)
         return engine
+
+    def _load_draft_model(self, target: LoadedModel, mesh) -> LoadedModel | None:
+        """The draft model of draft-model speculation, loaded like the target (dtype, devices; quantization as
+        the config says, else the target's), and checked to share its tokenizer."""
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is None or not spec.uses_draft_model:
+            return None
+        draft = load_model(spec.model, dtype=self.dtype, mesh=mesh, quantization=spec.quantization or self.quantization,
+                           cpu_int8_kernel=self.cpu_int8_kernel, download_dir=self.download_dir)  # fmt: skip
+        check_draft_model(target, draft)
+        return draft
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:

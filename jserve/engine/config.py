@@ -94,6 +94,13 @@ class EngineConfig:
             return 0
         return min(token_bucket - 1, spec.disable_by_batch_size * spec.num_speculative_tokens)
 
+    def draft_rows(self, token_bucket: int) -> int:
+        """Sequences of a step of `token_bucket` tokens that a draft model makes proposals for (0: none)."""
+        spec = self.speculative
+        if spec is None or not spec.uses_draft_model:
+            return 0
+        return min(self.seq_bucket(token_bucket), spec.disable_by_batch_size)
+
 
 @dataclass(frozen=True)
 class DeviceLimits:
@@ -143,11 +150,12 @@ def default_kv_cache_memory(limits: DeviceLimits, step_workspace: int) -> int:
 
 
 def resolve_engine_config(
-    args: EngineArgs, model: ModelConfig, dtype, limits: DeviceLimits | None = None
+    args: EngineArgs, model: ModelConfig, dtype, limits: DeviceLimits | None = None, draft: ModelConfig | None = None
 ) -> EngineConfig:
     """`model` is the config as built (KV heads replicated for tensor parallelism), `dtype` the weights'.
     kv_cache_memory is per device, and each device holds 1/tensor_parallel_size of every page. `limits`: the
-    device's (default: read from the default device)."""
+    device's (default: read from the default device). `draft`: a draft model's config, whose K/V every page
+    holds too."""
     limits = limits or DeviceLimits.of_default_device()
     on_cpu = limits.platform == "cpu"
     page_size, kv_cache_memory = args.page_size, args.kv_cache_memory
@@ -166,12 +174,13 @@ def resolve_engine_config(
         kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, num_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, smem_bytes=limits.smem_bytes,
     )  # fmt: skip
-    page_bytes = page_size * kv_cache_bytes_per_token(model, kv_cache_dtype) // args.tensor_parallel_size
+    token_bytes = sum(kv_cache_bytes_per_token(m, kv_cache_dtype) for m in (model, draft) if m is not None)
+    page_bytes = page_size * token_bytes // args.tensor_parallel_size
     speculative = SpeculativeConfig.parse(args.speculative_config)
     # The sampler's rows: the step's sequences, and its verify rows with speculation.
     verify_rows = speculative.disable_by_batch_size * speculative.num_speculative_tokens if speculative else 0
     largest_step = (max_num_batched_tokens, min(max_num_batched_tokens, max_num_seqs) + verify_rows)
-    workspace = step_workspace_bytes(model, page_size, *largest_step, max_num_seqs)
+    workspace = max(step_workspace_bytes(m, page_size, *largest_step, max_num_seqs) for m in (model, draft) if m)
     fits = default_kv_cache_memory(limits, workspace)
     memory = kv_cache_memory if kv_cache_memory is not None else fits
     if not on_cpu and memory > fits:

@@ -16,12 +16,12 @@ from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.output_processor import OutputProcessor
-from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput, bias_entries
-from jserve.engine.scheduler import ScheduledSequence, Scheduler, verify_row_starts
+from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
 from jserve.engine.stats import EngineStats
+from jserve.engine.step import StepOutput
 from jserve.errors import RequestError
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestMetrics, RequestOutput
@@ -41,20 +41,20 @@ CHECK_CACHE_ENV = "JSERVE_CHECK_CACHE"
 
 @dataclass(frozen=True)
 class LaunchedStep:
-    """A dispatched step: its sequences, which of them sample, and its samples (device arrays)."""
+    """A dispatched step: its sequences, which of them sample, and its outputs (device arrays)."""
 
     sequences: list[ScheduledSequence]
     samples: list[bool]
-    out: SamplerOutput
-    verified: SamplerOutput  # the samples at draft positions, each speculating sequence's rows in turn
-    scores: PromptScores  # by position in the step's tokens
+    output: StepOutput
 
     @property
     def blocks_next(self) -> bool:
         """The next step cannot be planned without this one's samples: a grammar needs one of them for its
-        next mask, or a verification decides how many tokens a request gained."""
+        next mask, a verification decides how many tokens a request gained, or a draft model proposed."""
         pairs = zip(self.sequences, self.samples, strict=True)
-        return any(sampled and (seq.request.grammar is not None or len(seq.drafts)) for seq, sampled in pairs)
+        return any(
+            sampled and (seq.request.grammar is not None or len(seq.drafts) or seq.proposes) for seq, sampled in pairs
+        )
 
 
 @dataclass
@@ -72,7 +72,8 @@ class ParentRequest:
 
 
 class LLMEngine:
-    def __init__(self, model: LoadedModel, config: EngineConfig):
+    def __init__(self, model: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None):
+        """`draft`: the draft model, when config.speculative uses one."""
         self.model, self.config = model, config
         self.tokenizer = model.tokenizer
         eos = set(model.config.eos_token_ids)
@@ -82,7 +83,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.speculator = Speculator(config.speculative, self.stats) if config.speculative else None
         self.scheduler = Scheduler(config, self.stats, self.speculator)
-        self.runner = ModelRunner(model, config, self.eos_ids)
+        self.runner = ModelRunner(model, config, self.eos_ids, draft)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
         self.parents: dict[str, ParentRequest] = {}
@@ -273,9 +274,8 @@ class LLMEngine:
         sequences, launched = self._dispatch(sequences, changed)
         if launched is None:
             return None
-        out, verified, scores = launched
         samples = [seq.samples for seq in sequences]
-        self.timeline.launched(time.perf_counter(), out.token_ids, self._busy)
+        self.timeline.launched(time.perf_counter(), launched.samples.token_ids, self._busy)
         if compile_count() != before:
             message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
             if self.forbid_recompile:
@@ -288,11 +288,11 @@ class LLMEngine:
             self.scheduler.kv.advance(request, seq.num_tokens)
             if sampled:
                 self.outputs.launched(request, row)
-        return LaunchedStep(sequences, samples, out, verified, scores)
+        return LaunchedStep(sequences, samples, launched)
 
     def _dispatch(
         self, sequences: list[ScheduledSequence], changed: set[str]
-    ) -> tuple[list, tuple[SamplerOutput, SamplerOutput, PromptScores] | None]:
+    ) -> tuple[list[ScheduledSequence], StepOutput | None]:
         """The runner's launch, isolating the culprit if it fails: the requests whose own rows cannot be
         prepared fail, and the rest launch again. A failure no single row explains (the device, the
         executable) is not one request's fault, and is raised."""
@@ -318,7 +318,11 @@ class LLMEngine:
         """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
         start = time.perf_counter()
         speculated = any(len(seq.drafts) for seq in step.sequences)
-        samples, verified = jax.device_get((step.out, step.verified if speculated else None))
+        proposing = proposing_rows(step.sequences)
+        output = step.output
+        samples, verified, proposals = jax.device_get(
+            (output.samples, output.verified if speculated else None, output.proposals if proposing else None)
+        )
         waited = time.perf_counter() - start
         waited += self._record_prompt_scores(step)
         stats = self.stats
@@ -344,6 +348,8 @@ class LLMEngine:
                 if finish is not None:
                     self.scheduler.finish(request, *finish)
                     break
+            if row in proposing and not request.is_finished:
+                self.speculator.drafted(request, proposals[proposing[row]])
         stats.steps += 1
         scheduler = self.scheduler
         running = len(scheduler.running)
@@ -378,7 +384,7 @@ class LLMEngine:
         if not scored:
             return 0.0
         start = time.perf_counter()
-        scores = jax.device_get(step.scores)
+        scores = jax.device_get(step.output.scores)
         waited = time.perf_counter() - start
         for offset, seq in scored:
             self.outputs.record_prompt_scores(seq.request, scores, int(offset), seq.start, seq.num_tokens)

@@ -21,19 +21,18 @@ from tqdm.auto import tqdm
 
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
-from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.sampler import (
-    SamplerOutput,
     SamplingRow,
     build_sampling_batch,
     full_bitmask,
     init_penalty_state,
 )
-from jserve.engine.scheduler import ScheduledSequence, verify_row_starts
-from jserve.engine.step import PenaltyUpdate, StepInput, VerifyInput, init_sampled, jit_engine_step
+from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
+from jserve.engine.step import PenaltyUpdate, StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
+from jserve.spec_decode.draft_model import Drafter, DraftInput
 from jserve.structured import BitmaskFiller
 
 log = logging.getLogger("jserve")
@@ -43,7 +42,10 @@ MASK_TIMINGS_KEPT = 10_000
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, stop_ids: frozenset[int]):
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, stop_ids: frozenset[int], draft: LoadedModel | None = None
+    ):
+        """`draft`: the draft model of draft-model speculation, run inside each step (see spec_decode)."""
         self.model, self.config = model, config
         self.stop_ids = stop_ids
         mesh = model.mesh
@@ -54,14 +56,18 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(
             model.config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
         )
+        # The draft's pages shadow the target's: same ids, its own arrays (nothing when there is no draft).
+        self.draft_kv = () if draft is None else allocate_kv_cache(
+            draft.config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
+        )  # fmt: skip
         self.penalty_state = jax.device_put(
             init_penalty_state(config.max_num_seqs, model.config.vocab_size), self.input_sharding
         )
         self.sampled = jax.device_put(init_sampled(config.seq_bucket(config.token_buckets[-1])), self.input_sharding)
         self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
-        # Samples, verify samples, prompt scores, penalty state and sampled ids replicated, the cache as allocated.
+        # The step's outputs, penalty state and sampled ids replicated, the caches as allocated.
         replicated = self.input_sharding
-        shardings = (replicated, replicated, replicated, kv_sharding, replicated, replicated)
+        shardings = (replicated, kv_sharding, kv_sharding, replicated, replicated)
         self.step_fn = jit_engine_step(shardings if mesh else None)
         log.info(
             "Attention: %s%s%s",
@@ -70,6 +76,11 @@ class ModelRunner:
             f", tensor-parallel over {mesh.size} devices" if mesh else "",
         )
         self.params, self.params_def = jax.tree_util.tree_flatten(model.params)
+        self.draft_params, self.drafter = [], None
+        if draft is not None:
+            self.draft_params, draft_def = jax.tree_util.tree_flatten(draft.params)
+            spec = config.speculative
+            self.drafter = Drafter(draft.graphdef, draft_def, model.config.vocab_size, spec.num_speculative_tokens)
         self.executables: dict[int, jax.stages.Compiled] = {}
         # Steps without a grammar share one all-ones bitmask per batch size: never written, so a step still
         # reading it on the device cannot see a later step's mask.
@@ -103,8 +114,9 @@ class ModelRunner:
                 if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
                     self._exchange(bucket, step)
                 lowered = self.step_fn.lower(
-                    self.model.graphdef, self.attention, self.params_def, self.params, self.kv_cache,
-                    self.penalty_state, self.sampled, self._placed(step),
+                    self.model.graphdef, self.attention, self.params_def, self.drafter, self.params,
+                    self.draft_params, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled,
+                    self._placed(step),
                 )  # fmt: skip
                 compiling.append((bucket, step, compiler.submit(lowered.compile)))
                 # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
@@ -138,9 +150,12 @@ class ModelRunner:
         step = self.prepare([], bucket)
         positions = step.verify.positions.copy()
         positions[:num_drafts] = np.arange(num_drafts)
+        proposing, verified = step.draft.rows.copy(), step.draft.verify_count.copy()
+        proposing[:1], verified[:1] = 0, num_drafts  # a draft model proposes after the chunk
         step = replace(step, model=build_model_input([chunk], cfg.page_size, bucket, cfg.seq_bucket(bucket),
                                                      cfg.max_pages_per_seq),
-                       verify=replace(step.verify, positions=positions))  # fmt: skip
+                       verify=replace(step.verify, positions=positions),
+                       draft=replace(step.draft, rows=proposing, verify_count=verified))  # fmt: skip
         times = []
         for _ in range(runs):
             start = time.perf_counter()
@@ -151,23 +166,21 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.config.token_buckets if b >= num_tokens)
 
-    def launch(self, sequences: list[ScheduledSequence]) -> tuple[SamplerOutput, SamplerOutput, PromptScores]:
-        """Dispatch one step and return at once: its samples (row i for sequences[i]), its verify samples
-        (each speculating sequence's drafts' rows in turn) and prompt scores (by position in the step's
-        tokens) are device arrays until fetched. Reads the requests' pending rows, so it runs before the
-        engine marks new ones."""
+    def launch(self, sequences: list[ScheduledSequence]) -> StepOutput:
+        """Dispatch one step and return at once: its outputs are device arrays until fetched. Reads the
+        requests' pending rows, so it runs before the engine marks new ones."""
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
         step = self.prepare(sequences, bucket)
         if self.broadcast:
             self.broadcast.send(bucket, step)
         return self._execute(bucket, step)
 
-    def _execute(self, bucket: int, step: StepInput) -> tuple[SamplerOutput, SamplerOutput, PromptScores]:
-        inputs = self._placed(step)
-        out, verified, scores, self.kv_cache, self.penalty_state, self.sampled = self.executables[bucket](
-            self.params, self.kv_cache, self.penalty_state, self.sampled, inputs
-        )
-        return out, verified, scores
+    def _execute(self, bucket: int, step: StepInput) -> StepOutput:
+        out, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled = self.executables[bucket](
+            self.params, self.draft_params, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled,
+            self._placed(step),
+        )  # fmt: skip
+        return out
 
     def _placed(self, step: StepInput) -> StepInput:
         """The step's inputs as the executable takes them: on one device the numpy arrays themselves (cheaper
@@ -254,6 +267,7 @@ class ModelRunner:
             pending_rows=pending_rows,
             prompt_targets=targets,
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
+            draft=self._draft_input(sequences, cfg.draft_rows(bucket)),
         )
 
     def _verify_input(
@@ -276,6 +290,17 @@ class ModelRunner:
                 steps[at] = request.seq_len - request.num_prompt_tokens + np.arange(count)
                 constrained[at] = request.grammar is not None
         return VerifyInput(positions, rows, steps, bitmask, constrained)
+
+    @staticmethod
+    def _draft_input(sequences: list[ScheduledSequence], num_rows: int) -> DraftInput:
+        """A row per sequence that proposes for its next step (see proposing_rows), with its verify rows."""
+        rows, start, count = (np.full(num_rows, -1, np.int32), np.zeros(num_rows, np.int32),
+                              np.zeros(num_rows, np.int32))  # fmt: skip
+        proposing = proposing_rows(sequences)
+        verify_starts = verify_row_starts(sequences)
+        for i, r in proposing.items():
+            rows[r], start[r], count[r] = i, verify_starts[i], len(sequences[i].drafts)
+        return DraftInput(rows, start, count)
 
     def _token_bitmasks(
         self, sequences: list[ScheduledSequence], rows: list[SamplingRow], num_seqs: int, num_verify: int

@@ -14,7 +14,8 @@ prompt pages enter the cache after every chunk; at finish or preemption all comp
 short -> the cache evicts unlocked least-recently-used pages first, and only then is a request preempted.
 
 With speculative decoding, a decoding request may add draft tokens (from the Speculator) to its step, budget
-and pages permitting; the step verifies them (see engine.py).
+and pages permitting; the step verifies them (see engine.py). With a draft model, a sampling request may also
+ask its step to propose drafts for the next one, holding pages for them.
 
 Contract: the Scheduler owns the waiting and running queues and is the only writer of a request's status,
 admission order, preemption count, cache-hit count and schedule/finish times. It changes slots only through
@@ -54,6 +55,7 @@ class ScheduledSequence:
     first: bool = False  # the request's first chunk since admission: its per-slot state starts afresh
     # Draft tokens to verify, the chunk's last num_tokens counts them too (after the request's latest token).
     drafts: np.ndarray = field(default_factory=lambda: NO_DRAFTS)
+    proposes: bool = False  # the step's draft model proposes drafts for the request's next step
 
     @property
     def samples(self) -> bool:
@@ -72,6 +74,11 @@ class ScheduledSequence:
 def verify_row_starts(sequences: list[ScheduledSequence]) -> np.ndarray:
     """Each sequence's first verify row in its step: the step verifies the drafts in sequence order."""
     return np.cumsum([0] + [len(s.drafts) for s in sequences])[:-1]
+
+
+def proposing_rows(sequences: list[ScheduledSequence]) -> dict[int, int]:
+    """{sequence index: its row of the step's draft-model proposals}, in sequence order."""
+    return {i: row for row, i in enumerate(i for i, s in enumerate(sequences) if s.proposes)}
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,9 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(ScheduledSequence(request, request.num_computed_tokens, n + len(drafts), drafts=drafts))
+            proposes = speculating and self._proposes(request, n, len(drafts))
+            scheduled.append(ScheduledSequence(request, request.num_computed_tokens, n + len(drafts), drafts=drafts,
+                                               proposes=proposes))  # fmt: skip
             budget -= n + len(drafts)
             i += 1
 
@@ -165,6 +174,17 @@ class Scheduler:
             limit = min(limit, request.params.max_tokens - request.num_output_tokens - 1)
         return self.speculator.propose(request, limit)
 
+    def _proposes(self, request: Request, num_tokens: int, num_drafts: int) -> bool:
+        """Whether this step's draft model proposes for a request that computes `num_tokens` of its tokens and
+        `num_drafts` drafts: it samples, would speculate, and pages hold the proposals' positions."""
+        if not self.speculator.proposes_on_device or not self.speculator.wants(request):
+            return False
+        end = request.num_computed_tokens + num_tokens
+        if end < request.seq_len:
+            return False  # a prefill chunk before the last: it does not sample
+        reach = end + num_drafts + self.config.speculative.num_speculative_tokens
+        return reach <= self.config.max_model_len and self.kv.reserve(request, reach)
+
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         self.waiting = [r for r in self.waiting if not r.is_finished]  # drop requests aborted while waiting
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
@@ -180,7 +200,10 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             self._admit(request, cached=match is not None)
-            scheduled.append(ScheduledSequence(request, start, n, first=True))
+            # (running now counts it: no more than disable_by_batch_size requests ever propose in one step)
+            speculating = self.speculator is not None and self.speculator.active(len(self.running))
+            proposes = speculating and self._proposes(request, n, 0)
+            scheduled.append(ScheduledSequence(request, start, n, first=True, proposes=proposes))
             prefilling.append(request)
             budget -= n
 
@@ -198,7 +221,7 @@ class Scheduler:
             return scheduled  # a decode, or too little would be left
         if edge < MIN_TOKEN_BUCKET:
             return scheduled  # the lone-decode bucket: a step's fixed costs outweigh a few padded tokens
-        return [*scheduled[:-1], dataclasses.replace(last, num_tokens=keep)]
+        return [*scheduled[:-1], dataclasses.replace(last, num_tokens=keep, proposes=False)]
 
     def _admission_order(self) -> list[Request]:
         """FCFS within priority; under lpm (and a short queue), the longest cached prefix first. The lookups

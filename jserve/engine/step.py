@@ -8,7 +8,9 @@ scheduling): the host marks such inputs with the row of step N's samples that ho
 With speculative decoding the step also samples at each draft's position, exactly as a decode step there
 would (same options, same seeded key), so the host accepts a draft when it equals that sample: the output
 is the one decoding without speculation gives, and for a deterministic proposal (q one-hot) accepting with
-probability p(draft) and otherwise drawing from p without the draft is rejection sampling's rule.
+probability p(draft) and otherwise drawing from p without the draft is rejection sampling's rule. With a
+draft model (spec_decode/draft_model.py) the step also runs the draft over its tokens and makes the next
+step's proposals.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jserve.engine.sampler import (
     update_penalty_state,
 )
 from jserve.models.forward import forward_states
+from jserve.spec_decode.draft_model import Drafter, DraftInput
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +70,16 @@ class StepInput:
     pending_rows: jax.Array  # [T] i32: -1, or the row of the previous step's samples that is this token
     prompt_targets: jax.Array  # [T] i32: the prompt token that follows this one, to score; -1: none
     verify: VerifyInput
+    draft: DraftInput  # D rows per bucket (0 without a draft model)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepOutput:
+    samples: SamplerOutput  # row i for the step's sequence i
+    verified: SamplerOutput  # the samples at draft positions, each speculating sequence's rows in turn
+    proposals: jax.Array  # [D, k] i32: the draft model's proposals for the next step ([0, 0] without one)
+    scores: PromptScores  # by position in the step's tokens
 
 
 def init_sampled(num_rows: int) -> jax.Array:
@@ -78,12 +91,15 @@ def engine_step(
     graphdef: nnx.GraphDef,
     attention: AttentionBackend,
     params_def: jax.tree_util.PyTreeDef,
+    drafter: Drafter | None,
     params: list[jax.Array],
+    draft_params: list[jax.Array],
     kv_cache: KVCache,
+    draft_kv: KVCache,
     penalty_state: PenaltyState,
     sampled: jax.Array,
     step: StepInput,
-) -> tuple[SamplerOutput, SamplerOutput, PromptScores, KVCache, PenaltyState, jax.Array]:
+) -> tuple[StepOutput, KVCache, KVCache, PenaltyState, jax.Array]:
     rows = step.pending_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], step.model.token_ids)
     model_input = replace(step.model, token_ids=token_ids)
@@ -96,7 +112,16 @@ def engine_step(
     )
     out = sample(logits, step.sampling, penalty_state)
     verified = verify_drafts(head, hidden, step.verify, step.sampling, penalty_state)
-    return out, verified, scores, kv_cache, penalty_state, sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
+    proposals = jnp.zeros((0, 0), jnp.int32)
+    if drafter is not None:
+        draft_kv = drafter.extend(draft_params, draft_kv, model_input, attention)
+        if step.draft.rows.shape[0]:
+            proposals, draft_kv = drafter.propose(
+                draft_params, draft_kv, attention, model_input, step.draft, out.token_ids, verified.token_ids,
+                step.verify.positions, step.sampling, lambda logits, batch: sample(logits, batch, penalty_state),
+            )  # fmt: skip
+    sampled = sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
+    return StepOutput(out, verified, proposals, scores), kv_cache, draft_kv, penalty_state, sampled
 
 
 def verify_drafts(
@@ -116,8 +141,8 @@ def verify_drafts(
 
 
 def jit_engine_step(out_shardings=None):
-    """engine_step compiled with the carried state (KV cache, penalty state, sampled ids) donated. The
+    """engine_step compiled with the carried state (KV caches, penalty state, sampled ids) donated. The
     parameters come as a flat list, their structure static: flattening the model's State on every call cost
     about 0.75 ms of host time per step. With tensor parallelism the runner pins the output shardings to
     the input ones, so donated state keeps its layout step to step."""
-    return jax.jit(engine_step, static_argnums=(0, 1, 2), donate_argnums=(4, 5, 6), out_shardings=out_shardings)
+    return jax.jit(engine_step, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 8, 9), out_shardings=out_shardings)

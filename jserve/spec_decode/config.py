@@ -4,25 +4,35 @@ as `--speculative-config` takes it)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
-METHODS = ("ngram",)
+NGRAM, DRAFT_MODEL = "ngram", "draft_model"
+METHODS = (NGRAM, DRAFT_MODEL)
 MAX_SPECULATIVE_TOKENS = 16
 # Proposals are verified only while at most this many requests run (vLLM's disable_by_batch_size): a big
 # batch already reads the weights once for many tokens, and every draft token there is extra compute.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+DRAFT_QUANTIZATIONS = ("none", "int8", "w8a8")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    method: str = NGRAM  # "draft_model" when a model is given
     num_speculative_tokens: int = 4  # draft tokens a step verifies per request, at most
     # n-gram prompt lookup: the longest n in [min, max] whose last n tokens occurred before proposes what
     # followed them; vLLM's rule for unset bounds (both unset: 5; one set: the other equals it).
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # draft model: any model jserve loads (same tokenizer as the target), and its weights' quantization
+    # (default: the target's --quantization)
+    model: str | None = None
+    quantization: str | None = None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == DRAFT_MODEL
 
     @staticmethod
     def parse(value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -37,17 +47,14 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         known = {f.name for f in fields(SpeculativeConfig)}
-        if "model" in value:
-            raise ValueError(
-                "speculative_config: draft-model speculation ({'model': ...}) is not available yet; "
-                "use {'method': 'ngram', ...}"
-            )
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if "method" not in value and value.get("model") is not None:
+            value = {**value, "method": DRAFT_MODEL}  # as vLLM infers it
         config = SpeculativeConfig(**value)
         config._check()
-        return config.with_lookup_defaults()
+        return config.with_lookup_defaults() if config.method == NGRAM else config
 
     def with_lookup_defaults(self) -> SpeculativeConfig:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
@@ -56,7 +63,7 @@ class SpeculativeConfig:
         low, high = (high if low is None else low), (low if high is None else high)
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})")
-        return SpeculativeConfig(self.method, self.num_speculative_tokens, high, low, self.disable_by_batch_size)
+        return replace(self, prompt_lookup_max=high, prompt_lookup_min=low)
 
     def _check(self) -> None:
         if self.method not in METHODS:
@@ -71,4 +78,19 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, "
                 f"got {self.num_speculative_tokens}"
+            )
+        if self.method == NGRAM:
+            for name in ("model", "quantization"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config: {name!r} is for method 'draft_model', not 'ngram'")
+            return
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model' (a path or hub id)")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"speculative_config: {name!r} is for method 'ngram', not 'draft_model'")
+        if self.quantization is not None and self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(
+                f"speculative_config: quantization must be one of {list(DRAFT_QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
             )

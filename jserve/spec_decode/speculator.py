@@ -37,6 +37,8 @@ class _Record:
     backoff: int = 1  # steps it waits after its next disappointment
     mean_accepted: float | None = None  # running mean of accepted drafts per verification
     guess: tuple[int, int] | None = None  # (position, token): the latest proposal's guess of a token in flight
+    proposal: np.ndarray | None = None  # a draft model's latest proposal, to follow the request's first
+    proposal_at: int = 0  # proposal_at tokens
 
 
 class Speculator:
@@ -86,6 +88,11 @@ class Speculator:
         mean = record.mean_accepted if record is not None else None
         return min(len(seq.drafts), mean if mean is not None else len(seq.drafts))
 
+    @property
+    def proposes_on_device(self) -> bool:
+        """Proposals come from a draft model inside the step before (see `drafted`), not from a host lookup."""
+        return self.config.uses_draft_model
+
     def next_step(self) -> None:
         self.step += 1
 
@@ -113,7 +120,7 @@ class Speculator:
         after the actual tokens."""
         count = min(self.config.num_speculative_tokens, limit)
         guessed = request.num_pending  # 0 or 1 (a step in flight)
-        if count <= 0 or guessed > 1 or (guessed and request.grammar is not None):
+        if count <= 0 or guessed > 1 or (guessed and (request.grammar is not None or self.proposes_on_device)):
             return np.zeros(0, np.int32)
         proposal = self.lookup(request, count + guessed)
         drafts = proposal[guessed:]
@@ -128,8 +135,18 @@ class Speculator:
     def lookup(self, request: Request, count: int) -> np.ndarray:
         """The method's proposal of `count` tokens (or fewer) after the request's known tokens."""
         config = self.config
+        if config.uses_draft_model:
+            record = self._records.get(request.request_id)
+            if record is None or record.proposal is None or record.proposal_at != request.num_tokens:
+                return np.zeros(0, np.int32)
+            return record.proposal[:count]
         tokens = request.token_buffer[: request.num_tokens]
         return propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max, count)
+
+    def drafted(self, request: Request, proposal: np.ndarray) -> None:
+        """A draft model's proposal to follow the request's tokens as they are now."""
+        record = self._record(request)
+        record.proposal, record.proposal_at = proposal, request.num_tokens
 
     def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The target model accepted the first `num_accepted` of the request's `num_drafts` drafts."""
