@@ -324,7 +324,6 @@ def test_big_batches_do_not_speculate_and_nothing_compiles(tiny_llama_checkpoint
         ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "exceeds prompt_lookup_max"),
         ({"method": "ngram", "prompt_lookup_max": "4"}, "prompt_lookup_max must be a positive integer"),
         ({"method": "ngram", "lookahead": 3}, "unknown key"),
-        ({"model": "/some/draft", "num_speculative_tokens": 4}, "draft-model speculation"),
     ],
 )
 def test_bad_configs_are_refused(config, message):
