@@ -4,7 +4,7 @@ one model at several tensor-parallel sizes; prints JSON with greedy tokens, prom
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         python tests/tensor_parallel_worker.py MODEL QUANT SPEC TP [TP ...]
 
-SPEC: "none", or "ngram" for n-gram speculative decoding.
+SPEC: "none", "ngram" for n-gram speculative decoding, or "draft" for the model as its own draft model.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ def bytes_per_device(tree) -> list[int]:
 def main() -> None:
     model = None if sys.argv[1] == "default" else sys.argv[1]  # "default": SmolLM2-135M
     quantization = sys.argv[2]
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    speculative = ngram if sys.argv[3] == "ngram" else None
+    speculative = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+        "draft": {"model": sys.argv[1], "num_speculative_tokens": 3},
+    }.get(sys.argv[3])
     # Every step keeps its drafts, whatever the start-up timings of a busy machine say (the test counts them).
     Speculator.worthwhile = lambda self, sequences: sequences
     sizes = [int(s) for s in sys.argv[4:]]
@@ -62,6 +64,7 @@ def main() -> None:
             "num_pages": llm.engine.config.num_pages,
             "kv_shard_shape": list(llm.engine.runner.kv_cache[0].k.addressable_shards[0].data.shape),
             "draft_tokens": llm.engine.stats.spec_draft_tokens,
+            "accepted_tokens": llm.engine.stats.spec_accepted_tokens,
         }
     json.dump(results, sys.stdout)
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server, driven over HTTP by the official `openai` client and by httpx; every test
-runs against a plain server and one started with --speculative-config (n-gram)."""
+runs against a plain server and ones started with --speculative-config (n-gram, and a draft model)."""
 
 import asyncio
 import json
@@ -32,11 +32,15 @@ from tiny_models import VOCAB_SIZE, assert_engine_idle, reference_greedy, tiny_e
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "draft"])
 def server(request, tiny_llama_checkpoint):
-    args = tiny_engine_args(tiny_llama_checkpoint[0])
+    folder = tiny_llama_checkpoint[0]
+    args = tiny_engine_args(folder)
     if request.param == "ngram":
         args = replace(args, speculative_config=NGRAM)
+    if request.param == "draft":  # the model as its own draft, its K/V beside the target's in as many pages
+        draft = json.dumps({"model": str(folder), "num_speculative_tokens": 3})
+        args = replace(args, speculative_config=draft, kv_cache_memory=2 * args.kv_cache_memory)
     with running_server(args, ServerSettings(MODEL, chat_template=TINY_CHAT_TEMPLATE)) as handle:
         yield handle
 
@@ -362,7 +366,8 @@ def test_disconnected_whole_request_is_aborted(server, monkeypatch):
 
 
 def test_metrics_names(server, client):
-    counters = ("generation_tokens_total", "prompt_tokens_total", "engine_steps_total", "engine_host_seconds_total")
+    counters = ("generation_tokens_total", "prompt_tokens_total", "engine_steps_total", "engine_host_seconds_total",
+                "spec_decode_num_accepted_tokens_total")  # fmt: skip
     before = {name: server.metric(name) for name in counters}
     finished_before = finishes(server)
     out = client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, extra_body={"ignore_eos": True})
@@ -377,7 +382,9 @@ def test_metrics_names(server, client):
     assert server.metric("generation_tokens_total") == before["generation_tokens_total"] + 3
     assert server.metric("prompt_tokens_total") == before["prompt_tokens_total"] + out.usage.prompt_tokens
     assert finishes(server) == finished_before | {"length": finished_before["length"] + 1}
-    assert server.metric("engine_steps_total") >= before["engine_steps_total"] + 3  # a step per token at least
+    # A step per token at least, but for accepted drafts (each step gives one token more than it accepts).
+    accepted = server.metric("spec_decode_num_accepted_tokens_total") - before["spec_decode_num_accepted_tokens_total"]
+    assert server.metric("engine_steps_total") >= before["engine_steps_total"] + 3 - accepted
     assert server.metric("engine_host_seconds_total") > before["engine_host_seconds_total"]
 
 

@@ -59,15 +59,18 @@ def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     check_against_one_device(results, replicated_weight_bytes=vocab * hidden * 4 + 2 * 1024 * 4)
 
 
-def test_speculative_decoding_at_tp_2(tmp_path):
-    """Verify rows sampled from vocabulary-parallel logits: the same greedy tokens as one device without
-    speculation."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_at_tp_2(tmp_path, method):
+    """Verify rows sampled from vocabulary-parallel logits, and a draft model whose weights and pages are split
+    like the target's: the same greedy tokens as one device without speculation."""
     save_tiny_checkpoint(tmp_path, "llama")
     plain = run_worker(str(tmp_path), [1])
-    speculative = run_worker(str(tmp_path), [1, 2], speculative="ngram")
+    speculative = run_worker(str(tmp_path), [1, 2], speculative=method)
     for tp in (1, 2):
         assert speculative[tp]["tokens"] == plain[1]["tokens"], f"tp={tp}"
         assert speculative[tp]["draft_tokens"] > 0
+        if method == "draft":  # the model as its own draft: every proposal is the target's token
+            assert speculative[tp]["accepted_tokens"] == speculative[tp]["draft_tokens"]
 
 
 def test_a_converted_folder_loads_sharded(tmp_path):
