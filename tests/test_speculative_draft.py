@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from jserve import LLM, SamplingParams, StructuredOutputsParams
-from jserve.spec_decode import SpeculativeConfig, check_draft_model
+from jserve.engine.stats import EngineStats
+from jserve.spec_decode import SpeculativeConfig, Speculator, check_draft_model
 
 from test_engine import prompts, tiny_llm, token_ids
 from test_speculative import GREEDY, every_draft_verified, spec_counts
@@ -213,3 +214,14 @@ def test_a_draft_must_share_the_targets_tokenizer():
 def test_a_missing_draft_model_fails_at_start_up(tiny_llama_checkpoint, tmp_path):
     with pytest.raises(Exception, match="no-such-draft"):
         LLM(str(tiny_llama_checkpoint[0]), speculative_config={"model": str(tmp_path / "no-such-draft")})
+
+
+def test_the_break_even_counts_what_proposing_costs():
+    """A draft model's proposals cost the step they are made in: a request's verifications must beat a decode
+    step that makes none."""
+    speculator = Speculator(SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 4}),
+                            EngineStats())  # fmt: skip
+    speculator.set_step_costs({1: 1.5, 5: 2.0}, plain_decode=1.0)  # proposing adds half a decode step
+    assert speculator.break_even == pytest.approx(1.0)
+    speculator.set_step_costs({1: 1.5, 5: 2.0})
+    assert speculator.break_even == pytest.approx(2.0 / 1.5 - 1)

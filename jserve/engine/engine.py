@@ -119,11 +119,16 @@ class LLMEngine:
         sizes = sorted(n for n in drafts if n <= self.config.max_num_batched_tokens)
         progress = tqdm(sizes, desc="Timing speculative steps", unit="step")
         costs = {n: self.runner.step_seconds(n, drafts[n]) for n in progress}
-        self.speculator.set_step_costs(costs)
-        log.info("Speculative decoding: %s, %d draft tokens, n-grams of %d-%d tokens, up to %d running requests; "
-                 "step ms by tokens: %s; a request keeps proposing while its verifications accept %.2f drafts on "
-                 "average", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                 spec.disable_by_batch_size, ", ".join(f"{n}: {1000 * c:.1f}" for n, c in costs.items()),
+        # A draft model's proposals cost every step they are made in; a request that stops speculating saves that.
+        plain = self.runner.step_seconds(1, proposes=False) if spec.uses_draft_model else None
+        self.speculator.set_step_costs(costs, plain)
+        proposer = (f"draft model {spec.model}" if spec.uses_draft_model
+                    else f"n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens")  # fmt: skip
+        log.info("Speculative decoding: %s, %d draft tokens, up to %d running requests; step ms by tokens: %s%s; a "
+                 "request keeps proposing while its verifications accept %.2f drafts on average", proposer,
+                 spec.num_speculative_tokens, spec.disable_by_batch_size,
+                 ", ".join(f"{n}: {1000 * c:.1f}" for n, c in costs.items()),
+                 f" (a decode without proposing: {1000 * plain:.1f})" if plain else "",
                  self.speculator.break_even)  # fmt: skip
 
     # --- requests in -----------------------------------------------------------------------------

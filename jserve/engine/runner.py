@@ -139,11 +139,11 @@ class ModelRunner:
         self._execute(bucket, step)
         progress.update()
 
-    def step_seconds(self, num_tokens: int, num_drafts: int = 0, runs: int = 5) -> float:
+    def step_seconds(self, num_tokens: int, num_drafts: int = 0, runs: int = 5, proposes: bool = True) -> float:
         """The fastest of `runs` steps of `num_tokens` real tokens, `num_drafts` of them verified (noise only
-        ever adds time): one sequence from position 0, its K/V written to the first pages, so call it before
-        any request holds pages. Padding can cost less than real tokens (the int8 kernel skips it), so steps
-        carry real ones."""
+        ever adds time), with a draft model's proposals unless not `proposes`: one sequence from position 0,
+        its K/V written to the first pages, so call it before any request holds pages. Padding can cost less
+        than real tokens (the int8 kernel skips it), so steps carry real ones."""
         cfg = self.config
         chunk = SequenceChunk(np.zeros(num_tokens, np.int32), 0, np.arange(cfg.max_pages_per_seq, dtype=np.int32))
         bucket = self.bucket_for(num_tokens)
@@ -151,7 +151,7 @@ class ModelRunner:
         positions = step.verify.positions.copy()
         positions[:num_drafts] = np.arange(num_drafts)
         proposing, verified = step.draft.rows.copy(), step.draft.verify_count.copy()
-        proposing[:1], verified[:1] = 0, num_drafts  # a draft model proposes after the chunk
+        proposing[:1], verified[:1] = (0 if proposes else -1), num_drafts  # a draft model proposes after the chunk
         step = replace(step, model=build_model_input([chunk], cfg.page_size, bucket, cfg.seq_bucket(bucket),
                                                      cfg.max_pages_per_seq),
                        verify=replace(step.verify, positions=positions),

@@ -1,11 +1,15 @@
 """Speculator: which requests propose drafts each step, what they propose, and how they back off.
 
+Proposals come from an n-gram lookup on the host, or from a draft model inside the step before (which hands
+them over through `drafted`; see draft_model.py).
+
 A step that verifies drafts costs more than a plain decode (on CPU a 5-token step ~1.6-2.4x a 1-token
 one), so proposing pays only while enough drafts are accepted. Each request keeps a running mean of the
 tokens its verifications accepted; when it falls below the break-even (the measured cost ratio of a verify
-step less one), the request stops proposing for a few steps, twice as many each time it happens again
-(reset by a verification that pays). A lookup that finds nothing costs no back-off: text that quotes its
-prompt resumes quoting after a changed word, and the next lookup should catch it.
+step to a decode step without speculation, less one), the request stops proposing for a few steps, twice as
+many each time it happens again (reset by a verification that pays). A lookup that finds nothing costs no
+back-off: text that quotes its prompt resumes quoting after a changed word, and the next lookup should
+catch it.
 
 Contract: the only writer of its per-request records and of the engine's speculation counters.
 """
@@ -50,14 +54,15 @@ class Speculator:
         self._sizes = np.zeros(0)  # step sizes (tokens) timed, ascending, and their seconds (set_step_costs)
         self._seconds = np.zeros(0)
 
-    def set_step_costs(self, seconds: dict[int, float]) -> None:
+    def set_step_costs(self, seconds: dict[int, float], plain_decode: float | None = None) -> None:
         """The measured time of steps of some token counts (1 to disable_by_batch_size requests, with all their
         drafts or none): what `worthwhile` weighs drafts against, interpolated between them; the break-even
-        is a lone request's verify step against its decode step."""
+        is a lone request's verify step against its decode step without speculation (`plain_decode`, when
+        proposing costs the step something: a draft model's proposals; else the 1-token step)."""
         self._sizes = np.array(sorted(seconds), float)
         self._seconds = np.array([seconds[n] for n in sorted(seconds)])
         verify = self._cost(self.config.num_speculative_tokens + 1)
-        self.break_even = max(0.0, verify / self._cost(1) - 1)
+        self.break_even = max(0.0, verify / (plain_decode or self._cost(1)) - 1)
 
     def _cost(self, num_tokens: int) -> float:
         return float(np.interp(num_tokens, self._sizes, self._seconds))
