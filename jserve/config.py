@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): per-frequency divisors for contexts within the original length and beyond it, and
+    # the factor cos and sin are scaled by; `long` says which divisors apply (see ModelConfig.for_context).
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
+    long: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     # Per layer: attention window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...] = ()
+    rotary_dim: int = 0  # leading dims of each head that rotate (Phi's partial rotary); 0: all of head_dim
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -67,17 +77,36 @@ class ModelConfig:
             )
         if not self.sliding_windows:
             object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ModelLoadError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
         if len(self.sliding_windows) != self.num_layers:
             raise ModelLoadError(f"{len(self.sliding_windows)} sliding-window entries for {self.num_layers} layers")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def for_context(self, max_model_len: int | None) -> ModelConfig:
+        """The config for serving contexts of up to `max_model_len` tokens (default: the model's length).
+        longrope has one set of frequencies for contexts within the original training length and one beyond
+        it; transformers switches between them by the length of each forward pass, which would rotate one
+        sequence's keys two ways across steps, so (as llama.cpp does) the context the engine serves chooses."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type != "longrope":
+            return self
+        long = (max_model_len or self.max_position_embeddings) > scaling.original_max_position_embeddings
+        return dataclasses.replace(self, rope_scaling=dataclasses.replace(scaling, long=long))
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
         if data.get("rope_scaling") is not None:
-            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+            rope = dict(data["rope_scaling"])
+            for key in ("short_factor", "long_factor"):
+                if rope.get(key) is not None:
+                    rope[key] = tuple(rope[key])
+            data["rope_scaling"] = RopeScaling(**rope)
         for key in ("rope_freq_factors", "sliding_windows", "eos_token_ids"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
@@ -103,6 +132,9 @@ def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RopeScalin
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
+    if rope_type == "longrope":
+        return theta, longrope_from_hf(config, params)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
             f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
@@ -113,6 +145,32 @@ def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RopeScalin
     return theta, RopeScaling(
         rope_type=rope_type, **{k: v for k, v in params.items() if k in fields and k != "rope_type"}
     )
+
+
+def longrope_from_hf(config: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
+    """Phi-3's longrope: its factors, and the cos/sin scale transformers derives when none is given (from the
+    ratio of the extended context to the original one)."""
+    original = params.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    max_positions = config.get("max_position_embeddings", 2048)
+    original = original or max_positions
+    factor = params.get("factor") or max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        "longrope",
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        short_factor=tuple(float(x) for x in params["short_factor"]),
+        long_factor=tuple(float(x) for x in params["long_factor"]),
+        attention_factor=float(attention_factor),
+    )
+
+
+def rotary_dim_from_hf(config: dict[str, Any], head_dim: int) -> int:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return int(head_dim * factor)
 
 
 def sliding_windows_from_hf(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
@@ -137,6 +195,7 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
         num_heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         num_layers = config["num_hidden_layers"]
+        head_dim = config.get("head_dim") or hidden // num_heads
         theta, scaling = rope_from_hf(config, source)
         eos = config.get("eos_token_id")
         return ModelConfig(
@@ -147,7 +206,7 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or hidden // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
@@ -158,6 +217,7 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
             qk_norm=family == "qwen3",
             rope_scaling=scaling,
             sliding_windows=sliding_windows_from_hf(config, family, num_layers),
+            rotary_dim=rotary_dim_from_hf(config, head_dim),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             bos_token_id=config.get("bos_token_id"),
         )

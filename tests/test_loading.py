@@ -41,7 +41,7 @@ def flat_params(model):
     }
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama3-rope", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "llama3-rope", "qwen2", "qwen3", "phi3"])
 def test_gguf_and_safetensors_give_the_same_logits(tmp_path, variant):
     family, overrides = VARIANTS[variant]
     torch_model = save_tiny_checkpoint(tmp_path / "hf", family, **overrides)

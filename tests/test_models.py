@@ -9,7 +9,14 @@ import pytest
 from jserve.loader import load_model
 from jserve.models import fused
 
-from tiny_models import VARIANTS, VOCAB_SIZE, jserve_prompt_logits, reference_logits, save_tiny_checkpoint
+from tiny_models import (
+    LONGROPE,
+    VARIANTS,
+    VOCAB_SIZE,
+    jserve_prompt_logits,
+    reference_logits,
+    save_tiny_checkpoint,
+)
 
 LOGITS_ATOL = 1e-4
 
@@ -33,6 +40,20 @@ def test_full_sequence_logits_match_transformers(checkpoint):
     ids = np.random.default_rng(1).integers(0, VOCAB_SIZE, 45).tolist()  # ends mid-page (page size 16)
     ours, theirs = jserve_prompt_logits(model, ids), reference_logits(reference, ids)
     np.testing.assert_allclose(ours, theirs, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("max_model_len, length", [(None, 45), (32, 20)])
+def test_longrope_factors_follow_the_served_context(tmp_path, max_model_len, length):
+    """Phi-3's longrope trained for 32 positions and extended to 256: serving past 32 uses the long factors
+    (transformers uses them for a pass longer than 32), serving within 32 the short ones."""
+    reference = save_tiny_checkpoint(tmp_path, "phi3", original_max_position_embeddings=32,
+                                     rope_parameters=LONGROPE | {"original_max_position_embeddings": 32})  # fmt: skip
+    model = load_model(tmp_path, dtype="float32", max_model_len=max_model_len)
+    assert model.config.rope_scaling.long == (max_model_len is None)
+    assert model.config.rope_scaling.attention_factor > 1  # sqrt(1 + ln(256 / 32) / ln(32))
+    ids = np.random.default_rng(2).integers(0, VOCAB_SIZE, length).tolist()
+    np.testing.assert_allclose(jserve_prompt_logits(model, ids), reference_logits(reference, ids), atol=LOGITS_ATOL,
+                               rtol=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("shards", [1, 2])

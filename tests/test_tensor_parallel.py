@@ -17,7 +17,7 @@ from jserve.loader import load_model
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.parallel import tensor_parallel_config
 
-from tiny_models import save_tiny_checkpoint
+from tiny_models import VARIANTS, save_tiny_checkpoint
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
@@ -49,10 +49,10 @@ def check_against_one_device(results: dict, replicated_weight_bytes: int) -> Non
         assert result["kv_shard_shape"][2] == max(kv_heads, tp) // tp
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
 def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     """2 KV heads: split at TP 2, replicated to one per device at TP 4."""
-    save_tiny_checkpoint(tmp_path, family)
+    save_tiny_checkpoint(tmp_path, family, **(VARIANTS["phi3"][1] if family == "phi3" else {}))  # phi3: longrope
     results = run_worker(str(tmp_path), [1, 2, 4])
     assert results[4]["num_kv_heads"] == 4
     vocab, hidden = 320, 64

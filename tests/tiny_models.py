@@ -24,7 +24,11 @@ FAMILIES = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "phi3": transformers.Phi3Config,
 }
+# longrope factors for the tiny models' 8 rotary dims of 16 (partial rotary 0.5): 4 frequencies.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [1.5, 2.8, 6.0, 11.0]}  # fmt: skip
 VARIANTS = {
     "llama": ("llama", {}),
     "llama-tied-mqa": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 1}),
@@ -45,6 +49,14 @@ VARIANTS = {
     "mistral-sliding": ("mistral", {"sliding_window": 12}),
     "qwen2": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 32}),
+    # Trained for the whole context: the short factors apply at every length (see test_models for long ones).
+    "phi3": (
+        "phi3",
+        {
+            "rope_parameters": LONGROPE | {"original_max_position_embeddings": 256},
+            "original_max_position_embeddings": 256,
+        },
+    ),  # fmt: skip
 }
 
 
@@ -111,6 +123,8 @@ GGUF_LAYER_NAMES = {
     "self_attn.q_proj": "attn_q",
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.o_proj": "attn_output",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
@@ -184,6 +198,16 @@ def write_gguf(
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         default = 1.0 / (cfg.rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
         writer.add_tensor("rope_freqs.weight", (default / scaled.numpy()).astype(np.float32))
+
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3: the factors as tensors
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        writer.add_rope_scaling_attn_factors(ROPE_INIT_FUNCTIONS["longrope"](cfg)[1])
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
 
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:

@@ -117,6 +117,7 @@ class EngineArgs:
             revision=self.revision,
             download_dir=self.download_dir,
             gguf_file=self.gguf_file,
+            max_model_len=self.max_model_len,
         )
         draft = self._load_draft_model(loaded, mesh)
         config = resolve_engine_config(self, loaded.config, loaded.dtype, draft=draft.config if draft else None)
@@ -133,7 +134,8 @@ class EngineArgs:
         if spec is None or not spec.uses_draft_model:
             return None
         draft = load_model(spec.model, dtype=self.dtype, mesh=mesh, quantization=spec.quantization or self.quantization,
-                           cpu_int8_kernel=self.cpu_int8_kernel, download_dir=self.download_dir)  # fmt: skip
+                           cpu_int8_kernel=self.cpu_int8_kernel, download_dir=self.download_dir,
+                           max_model_len=self.max_model_len)  # fmt: skip
         check_draft_model(target, draft)
         return draft
 

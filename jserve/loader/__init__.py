@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from jserve.config import ModelConfig, read_hf_config
 from jserve.loader.default_model import default_model_path
+from jserve.loader.fused_tensors import split_fused_tensors
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
 from jserve.loader.orbax_io import read_orbax, read_orbax_config, save_orbax
 from jserve.loader.quantize import quantize_model
@@ -66,12 +67,14 @@ def load_model(
     download_dir: str | os.PathLike | None = None,
     gguf_file: str | None = None,
     cpu_int8_kernel: bool = True,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder, a hub id
     (`org/name`, or `org/name:FILE.gguf`: from the HF cache, downloaded if absent), a `jserve convert` folder,
     or `random:<shape>` (random weights, see MODEL_SHAPES). `revision`, `download_dir`, `gguf_file`: see
     resolve_model. `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization),
-    laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel` is False."""
+    laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel` is False. `max_model_len`: the
+    context it will serve, which picks long-context rope frequencies where a model has two sets (longrope)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     quantization = Quantization(quantization)
@@ -80,18 +83,22 @@ def load_model(
     start = time.perf_counter()
     if source.kind == "gguf":
         reader = open_gguf(source.path)
-        config = gguf_config(reader, source.path)
+        config = gguf_config(reader, source.path).for_context(max_model_len)
         tokenizer = Tokenizer.from_gguf(reader)
-        tensors = iter_gguf_tensors(reader, config, source.path)
+        tensors = split_fused_tensors(iter_gguf_tensors(reader, config, source.path), config)
         placement = WeightPlacement.create(config, mesh)
         graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total=len(reader.tensors))
     elif source.kind == "hf":
-        config = read_hf_config(source.path)
+        config = read_hf_config(source.path).for_context(max_model_len)
         tokenizer = Tokenizer.from_folder(source.path)
         files = safetensors_files(source.path)
         placement = WeightPlacement.create(config, mesh)
         graphdef, params = assemble(
-            placement, iter_safetensors(files), target_dtype, source.path.name, total=count_tensors(files)
+            placement,
+            split_fused_tensors(iter_safetensors(files), config),
+            target_dtype,
+            source.path.name,
+            total=count_tensors(files),
         )
     elif source.kind == "random":
         config = shape_config(source.path.name)
@@ -100,6 +107,7 @@ def load_model(
         graphdef, params = random_params(placement, target_dtype)
     else:
         config, saved_dtype = read_orbax_config(source.path)
+        config = config.for_context(max_model_len)
         tokenizer = Tokenizer.from_folder(source.path)
         tensors = read_orbax(source.path, config, saved_dtype)
         placement = WeightPlacement.create(config, mesh)

@@ -21,7 +21,8 @@ G = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
     G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q2_K, G.Q3_K, G.Q4_K, G.Q5_K, G.Q6_K,
 )  # fmt: skip
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+FUSED_GATE_UP = ("phi3",)  # architectures whose ffn_up holds the gate's rows, then the up projection's
 
 TOP_LEVEL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -34,6 +35,7 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -93,6 +95,14 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     rope_scaling = None
     if scaling_type == "linear":
         rope_scaling = RopeScaling("linear", factor=float(meta("rope.scaling.factor")))
+    if "rope_factors_long.weight" in names:  # Phi-3's longrope: the factors as tensors, the rest as metadata
+        rope_scaling = RopeScaling(
+            "longrope",
+            original_max_position_embeddings=int(meta("rope.scaling.original_context_length")),
+            short_factor=tuple(float(x) for x in _tensor_by_name(reader, "rope_factors_short.weight").data),
+            long_factor=tuple(float(x) for x in _tensor_by_name(reader, "rope_factors_long.weight").data),
+            attention_factor=float(field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        )
     freq_factors = None
     if "rope_freqs.weight" in names:
         freq_factors = tuple(float(x) for x in _tensor_by_name(reader, "rope_freqs.weight").data)
@@ -118,7 +128,8 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=rope_scaling,
         rope_freq_factors=freq_factors,
-        sliding_windows=(None,) * num_layers,
+        sliding_windows=(field(reader, f"{arch}.attention.sliding_window"),) * num_layers,
+        rotary_dim=field(reader, f"{arch}.rope.dimension_count", 0),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
     )
@@ -128,16 +139,17 @@ def _tensor_by_name(reader: GGUFReader, name: str):
     return next(t for t in reader.tensors if t.name == name)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face parameter name (without `model.`) for a GGUF tensor; None for tensors folded elsewhere."""
     if gguf_name in TOP_LEVEL_NAMES:
         return TOP_LEVEL_NAMES[gguf_name]
-    if gguf_name == "rope_freqs.weight":
-        return None  # folded into ModelConfig.rope_freq_factors
+    if gguf_name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
+        return None  # folded into ModelConfig.rope_freq_factors / rope_scaling
     match = LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in LAYER_NAMES:
         layer, kind, suffix = match.groups()
-        return f"layers.{layer}.{LAYER_NAMES[kind]}.{suffix}"
+        module = "mlp.gate_up_proj" if kind == "ffn_up" and arch in FUSED_GATE_UP else LAYER_NAMES[kind]
+        return f"layers.{layer}.{module}.{suffix}"
     return gguf_name  # unknown: reported by the assembler as unexpected
 
 
@@ -147,9 +159,10 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    llama_layout = field(reader, "general.architecture") == "llama"
+    arch = field(reader, "general.architecture")
+    llama_layout = arch == "llama"
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:

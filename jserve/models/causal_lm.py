@@ -1,4 +1,4 @@
-"""The decoder-only causal LM shared by the Llama, Mistral and Qwen2/3 families.
+"""The decoder-only causal LM shared by the Llama, Mistral, Qwen2/3 and Phi-3 families.
 
 Parameter paths mirror Hugging Face names without the `model.` prefix (`layers.3.self_attn.o_proj.weight`),
 so checkpoints map onto the module tree by name; a fused projection (`self_attn.qkv_proj`, `mlp.gate_up_proj`)
@@ -20,7 +20,7 @@ from jserve.models.embedding import Embedding
 from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
-from jserve.models.rotary import inverse_frequencies, rope_angles
+from jserve.models.rotary import attention_factor, inverse_frequencies, rope_angles
 
 
 class CausalLM(nnx.Module):
@@ -55,7 +55,10 @@ class CausalLM(nnx.Module):
         """Run the batch's tokens, write their K/V; returns the last layer's output [T, hidden] (before the final
         norm, which the head applies)."""
         meta = batch.attention
-        rope = rope_angles(meta.positions, inverse_frequencies(self.config))  # a trace-time constant
+        config = self.config
+        rope = rope_angles(
+            meta.positions, inverse_frequencies(config), attention_factor(config)
+        )  # trace-time constants
         x = self.embed_tokens(batch.token_ids)
         new_cache = []
         for layer, kv in zip(self.layers, kv_cache, strict=True):

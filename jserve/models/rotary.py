@@ -1,4 +1,5 @@
-"""Rotary position embedding (half-rotation layout), with `linear` and Llama 3.x `llama3` frequency scaling."""
+"""Rotary position embedding (half-rotation layout, over all or the leading `rotary_dim` dims of each head),
+with `linear`, Llama 3.x `llama3` and Phi-3 `longrope` frequency scaling."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from jserve.config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, scaled as the config asks."""
-    dim = config.head_dim
+    """[rotary_dim // 2] float32 inverse frequencies, scaled as the config asks."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
     if config.rope_scaling is not None:
         inv_freq = _scale(inv_freq, config.rope_scaling)
@@ -22,9 +23,18 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are scaled by (longrope's attention factor; 1 otherwise)."""
+    scaling = config.rope_scaling
+    return scaling.attention_factor if scaling is not None and scaling.rope_type == "longrope" else 1.0
+
+
 def _scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     if scaling.rope_type == "linear":
         return inv_freq / np.float32(scaling.factor)
+    if scaling.rope_type == "longrope":
+        factors = scaling.long_factor if scaling.long else scaling.short_factor
+        return (inv_freq / np.asarray(factors, np.float32)).astype(np.float32)
     # llama3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -37,13 +47,16 @@ def _scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
     return np.where(is_medium, blended, scaled).astype(np.float32)
 
 
-def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin), each [T, head_dim], for the tokens' positions; computed once per step, shared by all layers."""
+def rope_angles(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) times `scale`, each [T, rotary_dim], for the tokens' positions; computed once per step,
+    shared by all layers."""
 
     def tables(positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
         angles = jnp.concatenate([freqs, freqs], axis=-1)
-        return jnp.cos(angles), jnp.sin(angles)
+        if scale == 1.0:
+            return jnp.cos(angles), jnp.sin(angles)
+        return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
     # XLA fuses cos/sin into every consumer, evaluating them again for each head of each layer's q and k
     # (11 of a 64-token step's ~240 ms on CPU); a conditional's results are buffers, computed once. Its
@@ -52,8 +65,11 @@ def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, head_dim] rotated by its token's angles."""
-    half = x.shape[-1] // 2
+    """x [T, heads, head_dim] rotated by its token's angles (its leading cos.shape[-1] dims; the rest pass)."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :dim], cos, sin), x[..., dim:]], axis=-1)
+    half = dim // 2
     x32 = x.astype(jnp.float32)
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
     return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
