@@ -18,8 +18,10 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> family, where they differ
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
@@ -63,6 +65,14 @@ class ModelConfig:
     # Per layer: attention window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...] = ()
     rotary_dim: int = 0  # leading dims of each head that rotate (Phi's partial rotary); 0: all of head_dim
+    # Gemma: GeGLU, embeddings scaled by sqrt(hidden), a norm before and after each sublayer, attention
+    # scaled by query_pre_attn_scalar ** -0.5, sliding-window layers with a rope base of their own
+    hidden_activation: str = "silu"  # or "gelu_tanh"
+    embedding_multiplier: float = 1.0
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None  # None: head_dim
+    local_rope_theta: float | None = None  # sliding-window layers' rope base (no scaling); None: rope_theta
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -117,7 +127,7 @@ def family_from_hf(config: dict[str, Any], source: str) -> str:
     for name in config.get("architectures") or ():
         if name in HF_ARCHITECTURES:
             return HF_ARCHITECTURES[name]
-    model_type = config.get("model_type")
+    model_type = MODEL_TYPES.get(config.get("model_type"), config.get("model_type"))
     if model_type in SUPPORTED_FAMILIES:
         return model_type
     found = config.get("architectures") or model_type
@@ -130,6 +140,7 @@ def family_from_hf(config: dict[str, Any], source: str) -> str:
 def rope_from_hf(config: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """(rope_theta, scaling) from either transformers 5's `rope_parameters` or the older `rope_scaling`."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params = params.get("full_attention", params)  # per layer type (Gemma 3): the global layers'
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
@@ -167,6 +178,30 @@ def longrope_from_hf(config: dict[str, Any], params: dict[str, Any]) -> RopeScal
     )
 
 
+def gemma_fields(config: dict[str, Any], family: str, hidden: int) -> dict[str, Any]:
+    """ModelConfig fields of the Gemma layout (none for other families); refuses what jserve lacks."""
+    if family != "gemma3":
+        return {}
+    if config.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError("attention logit soft-capping (attn_logit_softcapping) is not supported yet")
+    if config.get("use_bidirectional_attention"):
+        raise ModelLoadError("bidirectional attention (use_bidirectional_attention) is not supported")
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"unsupported hidden_activation {activation!r} for {family}; supported: gelu_pytorch_tanh")
+    params = config.get("rope_parameters") or {}
+    local = (params.get("sliding_attention") or {}).get("rope_theta", config.get("rope_local_base_freq", 10000.0))
+    return dict(
+        hidden_activation="gelu_tanh",
+        embedding_multiplier=hidden**0.5,
+        sandwich_norms=True,
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
+        local_rope_theta=float(local),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        qk_norm=True,
+    )
+
+
 def rotary_dim_from_hf(config: dict[str, Any], head_dim: int) -> int:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
@@ -198,7 +233,7 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
         head_dim = config.get("head_dim") or hidden // num_heads
         theta, scaling = rope_from_hf(config, source)
         eos = config.get("eos_token_id")
-        return ModelConfig(
+        model = ModelConfig(
             family=family,
             vocab_size=config["vocab_size"],
             hidden_size=hidden,
@@ -223,6 +258,7 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
         )
     except KeyError as missing:
         raise ModelLoadError(f"{source}: missing required field {missing}") from None
+    return dataclasses.replace(model, **gemma_fields(config, family, hidden))
 
 
 def read_hf_config(folder: Path) -> ModelConfig:

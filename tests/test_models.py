@@ -6,6 +6,7 @@
 import numpy as np
 import pytest
 
+from jserve.config import MODEL_TYPES
 from jserve.loader import load_model
 from jserve.models import fused
 
@@ -31,7 +32,8 @@ def checkpoint(request, tmp_path_factory):
 
 def test_family_is_detected(checkpoint):
     reference, model = checkpoint
-    assert model.config.family == reference.config.model_type
+    model_type = reference.config.model_type
+    assert model.config.family == MODEL_TYPES.get(model_type, model_type)  # gemma3_text: gemma3
     assert model.config.num_kv_heads == reference.config.num_key_value_heads
 
 

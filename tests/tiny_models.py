@@ -25,6 +25,7 @@ FAMILIES = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
+    "gemma3": transformers.Gemma3TextConfig,
 }
 # longrope factors for the tiny models' 8 rotary dims of 16 (partial rotary 0.5): 4 frequencies.
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -56,7 +57,22 @@ VARIANTS = {
             "rope_parameters": LONGROPE | {"original_max_position_embeddings": 256},
             "original_max_position_embeddings": 256,
         },
-    ),  # fmt: skip
+    ),
+    # Sliding-window and global layers with their own rope (the global one scaled), soft-capped logits.
+    "gemma3": (
+        "gemma3",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 12,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 30.0,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+            },
+        },
+    ),
 }
 
 

@@ -17,6 +17,7 @@ from jserve.config import ModelConfig, read_hf_config
 from jserve.loader.default_model import default_model_path
 from jserve.loader.fused_tensors import split_fused_tensors
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
+from jserve.loader.norm_offset import offset_norms
 from jserve.loader.orbax_io import read_orbax, read_orbax_config, save_orbax
 from jserve.loader.quantize import quantize_model
 from jserve.loader.random_weights import random_params, shape_config
@@ -95,7 +96,7 @@ def load_model(
         placement = WeightPlacement.create(config, mesh)
         graphdef, params = assemble(
             placement,
-            split_fused_tensors(iter_safetensors(files), config),
+            offset_norms(split_fused_tensors(iter_safetensors(files), config), config),
             target_dtype,
             source.path.name,
             total=count_tensors(files),

@@ -18,11 +18,12 @@ class Attention(nnx.Module):
         hidden, dim = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
         self.sliding_window = config.sliding_windows[layer_idx]
+        self.scale = (config.query_pre_attn_scalar or dim) ** -0.5
         q_out, kv_out, bias = self.num_heads * dim, self.num_kv_heads * dim, config.qkv_bias
         pieces = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}
         self.qkv_proj = Linear(hidden, pieces, bias=bias, dtype=dtype, quantization=quantization, shards=shards)
         self.o_proj = Linear(q_out, hidden, bias=config.o_bias, dtype=dtype, quantization=quantization)
-        # Qwen3 normalises each head's q and k before rotating them.
+        # Qwen3 and Gemma 3 normalise each head's q and k before rotating them.
         self.q_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(dim, eps=config.rms_norm_eps, dtype=dtype) if config.qk_norm else None
 
@@ -44,5 +45,5 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out, kv = attention(q, k, v, kv, meta, scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
+        out, kv = attention(q, k, v, kv, meta, scale=self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), meta.real_tokens), kv

@@ -1,4 +1,4 @@
-"""The decoder-only causal LM shared by the Llama, Mistral, Qwen2/3 and Phi-3 families.
+"""The decoder-only causal LM shared by the Llama, Mistral, Qwen2/3, Phi-3 and Gemma 3 families.
 
 Parameter paths mirror Hugging Face names without the `model.` prefix (`layers.3.self_attn.o_proj.weight`),
 so checkpoints map onto the module tree by name; a fused projection (`self_attn.qkv_proj`, `mlp.gate_up_proj`)
@@ -7,6 +7,7 @@ names the checkpoint tensors it holds (fused.py).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -21,6 +22,7 @@ from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 from jserve.models.rotary import attention_factor, inverse_frequencies, rope_angles
+from jserve.models.sandwich_decoder import SandwichDecoderLayer
 
 
 class CausalLM(nnx.Module):
@@ -32,11 +34,9 @@ class CausalLM(nnx.Module):
         quantization = Quantization(quantization)  # a name ("int8") or the mode itself
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, quantization=quantization)
         # A Python list, unrolled at trace time: measured ~2x faster than lax.scan over stacked layers on CPU.
+        layer = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
         self.layers = nnx.List(
-            [
-                DecoderLayer(config, i, dtype=dtype, quantization=quantization, shards=shards)
-                for i in range(config.num_layers)
-            ]
+            [layer(config, i, dtype=dtype, quantization=quantization, shards=shards) for i in range(config.num_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         tied, head = config.tie_word_embeddings, (config.hidden_size, config.vocab_size)
@@ -54,15 +54,20 @@ class CausalLM(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Run the batch's tokens, write their K/V; returns the last layer's output [T, hidden] (before the final
         norm, which the head applies)."""
-        meta = batch.attention
-        config = self.config
-        rope = rope_angles(
-            meta.positions, inverse_frequencies(config), attention_factor(config)
-        )  # trace-time constants
+        meta, config = batch.attention, self.config
+        # (the frequencies and the factor are trace-time constants)
+        rope = rope_angles(meta.positions, inverse_frequencies(config), attention_factor(config))
+        local_rope = rope
+        if config.local_rope_theta is not None:  # Gemma 3: sliding-window layers rotate with a base of their own
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            local_rope = rope_angles(meta.positions, inverse_frequencies(local))
         x = self.embed_tokens(batch.token_ids)
+        if config.embedding_multiplier != 1.0:
+            x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
         new_cache = []
-        for layer, kv in zip(self.layers, kv_cache, strict=True):
-            x, kv = _run_layer(*nnx.split(layer), x, rope, kv, meta, attention)
+        for layer, kv, window in zip(self.layers, kv_cache, config.sliding_windows, strict=True):
+            layer_rope = rope if window is None else local_rope
+            x, kv = _run_layer(*nnx.split(layer), x, layer_rope, kv, meta, attention)
             new_cache.append(kv)
         return x, tuple(new_cache)
 
@@ -72,7 +77,10 @@ class CausalLM(nnx.Module):
             logits = self.embed_tokens.attend(hidden, self.norm)
         else:
             logits = self.lm_head(hidden, norm=self.norm)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if (cap := self.config.final_logit_softcapping) is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
 
 
 # Jitted so that a step traces and lowers one decoder layer and calls it from every layer (their structure

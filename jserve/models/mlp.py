@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+"""Gated feed-forward: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-approximated GELU (GeGLU)."""
 
 import jax
 from flax import nnx
@@ -15,8 +15,10 @@ class MLP(nnx.Module):
         pieces = {"gate_proj": inner, "up_proj": inner}
         self.gate_up_proj = Linear(hidden, pieces, bias=bias, dtype=dtype, quantization=quantization, shards=shards)
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, quantization=quantization)
+        self.gelu = config.hidden_activation == "gelu_tanh"
 
     def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
         """mlp(norm(x)), or mlp(x); `real_rows` (int32 [1]): x's rows past it are padding (see Linear.__call__)."""
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x, real_rows, norm))
-        return self.down_proj(jax.nn.silu(gate) * up, real_rows)
+        active = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.down_proj(active * up, real_rows)
