@@ -150,7 +150,15 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+# Gemma's norms as llama.cpp names them (its ffn_norm comes before the MLP; the sublayers have norms after).
+GEMMA_GGUF_LAYER_NAMES = GGUF_LAYER_NAMES | {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     name = hf_name.removeprefix("model.")
     top = {
         "embed_tokens.weight": "token_embd.weight",
@@ -161,7 +169,8 @@ def gguf_tensor_name(hf_name: str) -> str:
         return top[name]
     _, layer, rest = name.split(".", 2)
     module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{suffix}"
+    names = GEMMA_GGUF_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{suffix}"
 
 
 def write_gguf(
@@ -190,7 +199,11 @@ def write_gguf(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # Gemma 3: the global layers'
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
 
@@ -215,6 +228,10 @@ def write_gguf(
         default = 1.0 / (cfg.rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
         writer.add_tensor("rope_freqs.weight", (default / scaled.numpy()).astype(np.float32))
 
+    if arch == "gemma3":  # llama.cpp fixes the layer pattern (every 6th global) and the local rope base itself
+        writer.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     rope = cfg.rope_parameters
     if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3: the factors as tensors
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -229,14 +246,16 @@ def write_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = tensor.float().numpy().astype(float_dtype)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1  # llama.cpp stores Gemma's (1 + w) scales
         if arch == "llama" and ".q_proj." in name:
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         if qtype is not None and w.ndim == 2:
-            writer.add_tensor(gguf_tensor_name(name), quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_tensor_name(name, arch), quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(gguf_tensor_name(name), w)
+            writer.add_tensor(gguf_tensor_name(name, arch), w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

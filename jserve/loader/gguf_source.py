@@ -21,8 +21,9 @@ G = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
     G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q2_K, G.Q3_K, G.Q4_K, G.Q5_K, G.Q6_K,
 )  # fmt: skip
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
-FUSED_GATE_UP = ("phi3",)  # architectures whose ffn_up holds the gate's rows, then the up projection's
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
+# llama.cpp's Gemma 3 settings that its files do not carry (llama.cpp's own loader fixes them so).
+GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
 
 TOP_LEVEL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -42,6 +43,16 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Where an architecture's names mean something else: Phi-3's ffn_up holds the gate's rows, then the up
+# projection's; Gemma's ffn_norm comes before the MLP, and its sublayers have norms after them too.
+ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -109,6 +120,19 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     eos = [field(reader, "tokenizer.ggml.eos_token_id"), field(reader, "tokenizer.ggml.eot_token_id")]
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     num_layers = meta("block_count")
+    window = field(reader, f"{arch}.attention.sliding_window")
+    windows = (window,) * num_layers
+    gemma = {}
+    if arch == "gemma3":
+        windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(num_layers))
+        head_dim = meta("attention.key_length", hidden // heads)
+        gemma = dict(
+            hidden_activation="gelu_tanh", embedding_multiplier=hidden**0.5, sandwich_norms=True,
+            # as llama.cpp reads Gemma 3: the 27B model (62 layers) scales by hidden / heads, the others by head_dim
+            query_pre_attn_scalar=float(hidden // heads if num_layers == 62 else head_dim),
+            local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+            final_logit_softcapping=field(reader, f"{arch}.final_logit_softcapping"),
+        )  # fmt: skip
     return ModelConfig(
         family=GGUF_ARCHITECTURES[arch],
         vocab_size=meta("vocab_size", len(tokens.data) if tokens is not None else None),
@@ -128,10 +152,11 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=rope_scaling,
         rope_freq_factors=freq_factors,
-        sliding_windows=(field(reader, f"{arch}.attention.sliding_window"),) * num_layers,
+        sliding_windows=windows,
         rotary_dim=field(reader, f"{arch}.rope.dimension_count", 0),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        **gemma,
     )
 
 
@@ -145,11 +170,11 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return TOP_LEVEL_NAMES[gguf_name]
     if gguf_name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return None  # folded into ModelConfig.rope_freq_factors / rope_scaling
+    names = LAYER_NAMES | ARCH_LAYER_NAMES.get(arch, {})
     match = LAYER_TENSOR.fullmatch(gguf_name)
-    if match and match.group(2) in LAYER_NAMES:
+    if match and match.group(2) in names:
         layer, kind, suffix = match.groups()
-        module = "mlp.gate_up_proj" if kind == "ffn_up" and arch in FUSED_GATE_UP else LAYER_NAMES[kind]
-        return f"layers.{layer}.{module}.{suffix}"
+        return f"layers.{layer}.{names[kind]}.{suffix}"
     return gguf_name  # unknown: reported by the assembler as unexpected
 
 
