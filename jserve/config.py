@@ -18,10 +18,12 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
 MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> family, where they differ
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+GEMMA_FAMILIES = ("gemma2", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
@@ -73,6 +75,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # None: head_dim
     local_rope_theta: float | None = None  # sliding-window layers' rope base (no scaling); None: rope_theta
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # attention scores likewise (Gemma 2)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -180,10 +183,8 @@ def longrope_from_hf(config: dict[str, Any], params: dict[str, Any]) -> RopeScal
 
 def gemma_fields(config: dict[str, Any], family: str, hidden: int) -> dict[str, Any]:
     """ModelConfig fields of the Gemma layout (none for other families); refuses what jserve lacks."""
-    if family != "gemma3":
+    if family not in GEMMA_FAMILIES:
         return {}
-    if config.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError("attention logit soft-capping (attn_logit_softcapping) is not supported yet")
     if config.get("use_bidirectional_attention"):
         raise ModelLoadError("bidirectional attention (use_bidirectional_attention) is not supported")
     activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
@@ -196,9 +197,10 @@ def gemma_fields(config: dict[str, Any], family: str, hidden: int) -> dict[str, 
         embedding_multiplier=hidden**0.5,
         sandwich_norms=True,
         query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", 256)),
-        local_rope_theta=float(local),
+        local_rope_theta=float(local) if family == "gemma3" else None,  # Gemma 2: one rope for all layers
         final_logit_softcapping=config.get("final_logit_softcapping"),
-        qk_norm=True,
+        attn_logit_softcapping=config.get("attn_logit_softcapping"),
+        qk_norm=family == "gemma3",
     )
 
 

@@ -84,6 +84,27 @@ def test_gemma3_gguf_gives_the_safetensors_logits(tmp_path):
     )
 
 
+def test_gemma2_gguf_gives_the_safetensors_logits(tmp_path):
+    """Gemma 2 as llama.cpp writes it: every 2nd layer global, soft-caps in the metadata."""
+    torch_model = save_tiny_checkpoint(tmp_path / "hf", "gemma2", head_dim=16, query_pre_attn_scalar=16,
+                                       sliding_window=12, attn_logit_softcapping=3.0)  # fmt: skip
+    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch="gemma2")
+    from_hf, from_gguf = load_model(tmp_path / "hf", "float32"), load_model(tmp_path / "model.gguf", "float32")
+    for name in (
+        "sliding_windows",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "query_pre_attn_scalar",
+        "local_rope_theta",
+        "qk_norm",
+        "sandwich_norms",
+    ):
+        assert getattr(from_gguf.config, name) == getattr(from_hf.config, name), name  # fmt: skip
+    np.testing.assert_allclose(
+        jserve_prompt_logits(from_gguf, PROMPT), jserve_prompt_logits(from_hf, PROMPT), atol=1e-5, rtol=0
+    )
+
+
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0])
 def test_quantized_gguf_tensors_are_dequantized(tmp_path, llama_folder, qtype):
     folder, torch_model = llama_folder

@@ -48,7 +48,7 @@ def paths(tree):
     return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-tied-mqa", "qwen2", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama", "llama-tied-mqa", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_int8_model_is_the_float_model_with_int8_rounded_weights(tmp_path, variant):
     family, overrides = VARIANTS[variant]
     save_tiny_checkpoint(tmp_path, family, **overrides)

@@ -49,10 +49,10 @@ def check_against_one_device(results: dict, replicated_weight_bytes: int) -> Non
         assert result["kv_shard_shape"][2] == max(kv_heads, tp) // tp
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     """2 KV heads: split at TP 2, replicated to one per device at TP 4."""
-    overrides = VARIANTS[family][1] if family in ("phi3", "gemma3") else {}  # longrope; Gemma's layout
+    overrides = VARIANTS[family][1] if family in ("phi3", "gemma2", "gemma3") else {}  # longrope; Gemma's layout
     save_tiny_checkpoint(tmp_path, family, **overrides)
     results = run_worker(str(tmp_path), [1, 2, 4])
     assert results[4]["num_kv_heads"] == 4

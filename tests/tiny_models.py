@@ -25,6 +25,7 @@ FAMILIES = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
+    "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
 }
 # longrope factors for the tiny models' 8 rotary dims of 16 (partial rotary 0.5): 4 frequencies.
@@ -56,6 +57,18 @@ VARIANTS = {
         {
             "rope_parameters": LONGROPE | {"original_max_position_embeddings": 256},
             "original_max_position_embeddings": 256,
+        },
+    ),
+    # Alternating sliding-window and global layers, attention scores soft-capped (at a cap the tiny model's
+    # scores reach), soft-capped logits.
+    "gemma2": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 12,
+            "attn_logit_softcapping": 3.0,
+            "final_logit_softcapping": 30.0,
         },
     ),
     # Sliding-window and global layers with their own rope (the global one scaled), soft-capped logits.
@@ -169,7 +182,7 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
         return top[name]
     _, layer, rest = name.split(".", 2)
     module, suffix = rest.rsplit(".", 1)
-    names = GEMMA_GGUF_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES
+    names = GEMMA_GGUF_LAYER_NAMES if arch in ("gemma2", "gemma3") else GGUF_LAYER_NAMES
     return f"blk.{layer}.{names[module]}.{suffix}"
 
 
@@ -228,10 +241,12 @@ def write_gguf(
         default = 1.0 / (cfg.rope_parameters["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
         writer.add_tensor("rope_freqs.weight", (default / scaled.numpy()).astype(np.float32))
 
-    if arch == "gemma3":  # llama.cpp fixes the layer pattern (every 6th global) and the local rope base itself
+    if arch in ("gemma2", "gemma3"):  # llama.cpp fixes the layer pattern and Gemma 3's local rope base itself
         writer.add_sliding_window(cfg.sliding_window)
         if cfg.final_logit_softcapping is not None:
             writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
     rope = cfg.rope_parameters
     if rope.get("rope_type") == "longrope":  # as llama.cpp writes Phi-3: the factors as tensors
         writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
@@ -246,7 +261,7 @@ def write_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         w = tensor.float().numpy().astype(float_dtype)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1  # llama.cpp stores Gemma's (1 + w) scales
         if arch == "llama" and ".q_proj." in name:
             w = llama_cpp_permute(w, cfg.num_attention_heads)

@@ -21,9 +21,15 @@ G = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
     G.F32, G.F16, G.BF16, G.Q8_0, G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q2_K, G.Q3_K, G.Q4_K, G.Q5_K, G.Q6_K,
 )  # fmt: skip
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3"}
-# llama.cpp's Gemma 3 settings that its files do not carry (llama.cpp's own loader fixes them so).
-GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_THETA = 6, 10000.0
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
+}  # fmt: skip
+# What llama.cpp's files leave out of Gemma's settings, as its loader fixes them: every Nth layer global (Gemma
+# 2: every 2nd, Gemma 3: every 6th), Gemma 3's local rope base, and the layer count of the 27B models (scaled
+# by hidden / heads, the others by head_dim).
+GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 TOP_LEVEL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
@@ -48,11 +54,14 @@ LAYER_NAMES = {
 # projection's; Gemma's ffn_norm comes before the MLP, and its sublayers have norms after them too.
 ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
-    "gemma3": {
-        "ffn_norm": "pre_feedforward_layernorm",
-        "post_attention_norm": "post_attention_layernorm",
-        "post_ffw_norm": "post_feedforward_layernorm",
-    },
+    **dict.fromkeys(
+        ("gemma2", "gemma3"),
+        {
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_attention_norm": "post_attention_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },
+    ),
 }
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -123,15 +132,16 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     window = field(reader, f"{arch}.attention.sliding_window")
     windows = (window,) * num_layers
     gemma = {}
-    if arch == "gemma3":
-        windows = tuple(None if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else window for i in range(num_layers))
+    if arch in GEMMA_GLOBAL_EVERY:
+        every = GEMMA_GLOBAL_EVERY[arch]
+        windows = tuple(None if (i + 1) % every == 0 else window for i in range(num_layers))
         head_dim = meta("attention.key_length", hidden // heads)
         gemma = dict(
             hidden_activation="gelu_tanh", embedding_multiplier=hidden**0.5, sandwich_norms=True,
-            # as llama.cpp reads Gemma 3: the 27B model (62 layers) scales by hidden / heads, the others by head_dim
-            query_pre_attn_scalar=float(hidden // heads if num_layers == 62 else head_dim),
-            local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+            query_pre_attn_scalar=float(hidden // heads if num_layers == GEMMA_27B_LAYERS[arch] else head_dim),
+            local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else None,
             final_logit_softcapping=field(reader, f"{arch}.final_logit_softcapping"),
+            attn_logit_softcapping=field(reader, f"{arch}.attn_logit_softcapping"),
         )  # fmt: skip
     return ModelConfig(
         family=GGUF_ARCHITECTURES[arch],

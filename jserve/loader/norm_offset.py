@@ -7,14 +7,12 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from jserve.config import ModelConfig
-
-OFFSET_NORM_FAMILIES = ("gemma3",)
+from jserve.config import GEMMA_FAMILIES, ModelConfig
 
 
 def offset_norms(tensors: Iterable[tuple[str, np.ndarray]], config: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) pairs with every norm weight shifted by one, for families that store them so."""
     for name, array in tensors:
-        if config.family in OFFSET_NORM_FAMILIES and name.endswith("norm.weight"):
+        if config.family in GEMMA_FAMILIES and name.endswith("norm.weight"):
             array = np.asarray(array, np.float32) + 1.0
         yield name, array

@@ -19,6 +19,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, dim
         self.sliding_window = config.sliding_windows[layer_idx]
         self.scale = (config.query_pre_attn_scalar or dim) ** -0.5
+        self.soft_cap = config.attn_logit_softcapping
         q_out, kv_out, bias = self.num_heads * dim, self.num_kv_heads * dim, config.qkv_bias
         pieces = {"q_proj": q_out, "k_proj": kv_out, "v_proj": kv_out}
         self.qkv_proj = Linear(hidden, pieces, bias=bias, dtype=dtype, quantization=quantization, shards=shards)
@@ -45,5 +46,6 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out, kv = attention(q, k, v, kv, meta, scale=self.scale, sliding_window=self.sliding_window)
+        out, kv = attention(q, k, v, kv, meta, scale=self.scale, sliding_window=self.sliding_window,
+                            soft_cap=self.soft_cap)  # fmt: skip
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), meta.real_tokens), kv
