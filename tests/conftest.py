@@ -38,16 +38,11 @@ def tiny_llama_checkpoint(tmp_path_factory):
 
 @pytest.fixture(autouse=True, scope="module")
 def release_compiled_steps():
-    """JAX's caches keep every compiled step alive after its engine is gone, and each CPU executable holds
-    memory mappings of its own: a whole suite's worth ran into the kernel's 65530-mapping limit (XLA
-    aborts). Drop them after each module; live engines keep theirs."""
+    """tiny_models.release_compiled after each module (one that builds many engines does it after each test)."""
     yield
-    import gc
+    from tiny_models import release_compiled
 
-    import jax
-
-    gc.collect()
-    jax.clear_caches()
+    release_compiled()
 
 
 @pytest.fixture(scope="module")

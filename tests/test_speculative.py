@@ -23,7 +23,7 @@ from jserve.structured import GrammarMatcher
 
 from test_engine import prompts as engine_prompts
 from test_engine import tiny_llm, token_ids
-from tiny_models import VARIANTS, VOCAB_SIZE, assert_engine_idle, save_tiny_checkpoint, tiny_kv_bytes
+from tiny_models import VARIANTS, VOCAB_SIZE, assert_engine_idle, release_compiled, save_tiny_checkpoint, tiny_kv_bytes
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": 8}  # fmt: skip
@@ -104,6 +104,7 @@ def pages_return(request):
     for name in ("plain", "spec"):
         if name in request.fixturenames:
             assert_engine_idle(request.getfixturevalue(name))
+    release_compiled()  # many tests here build engines of their own: their executables go with them
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -19,7 +19,15 @@ from jserve.spec_decode import SpeculativeConfig, Speculator, check_draft_model
 
 from test_engine import prompts, tiny_llm, token_ids
 from test_speculative import GREEDY, every_draft_verified, spec_counts
-from tiny_models import VARIANTS, VOCAB_SIZE, assert_engine_idle, save_tiny_checkpoint, tiny_kv_bytes, tiny_tokenizer
+from tiny_models import (
+    VARIANTS,
+    VOCAB_SIZE,
+    assert_engine_idle,
+    release_compiled,
+    save_tiny_checkpoint,
+    tiny_kv_bytes,
+    tiny_tokenizer,
+)
 
 SEEDED = [SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=30, seed=s, ignore_eos=True)
           for t, p, k, s in [(1.0, 1.0, 0, 1), (0.7, 0.9, 0, 2), (1.3, 1.0, 5, 3), (0.5, 0.8, 20, 4),
@@ -67,6 +75,8 @@ def spec(tiny_llama_checkpoint, noisy_draft):
 @pytest.fixture(autouse=True)
 def drafts_kept(monkeypatch):
     every_draft_verified(monkeypatch)
+    yield
+    release_compiled()  # most tests here build engines of two models: their executables go with them
 
 
 def counted(llm, run):

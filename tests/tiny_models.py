@@ -326,3 +326,16 @@ def model_forward(model, kv, batch, attention=None):
     from jserve.models import forward
 
     return jax.jit(forward, static_argnums=(0, 4))(model.graphdef, model.params, kv, batch, attention or REFERENCE)
+
+
+def release_compiled() -> None:
+    """JAX's caches keep every compiled step alive after its engine is gone, and each CPU executable holds
+    memory mappings of its own (about 2,000 an engine with a draft model): a whole suite's worth ran into the
+    kernel's 65530-mapping limit (XLA aborts). Dropping them frees those of engines that are gone; live
+    engines keep theirs."""
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
