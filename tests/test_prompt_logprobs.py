@@ -40,7 +40,10 @@ def test_prompt_logprobs_match_transformers(tmp_path, variant):
         expected = log_softmax(reference_logits(reference, ids).astype(np.float64), axis=-1)[:-1]
         chosen, ranks, tops = as_arrays(out.prompt_logprobs, ids)
         np.testing.assert_allclose(chosen, expected[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
-        assert ranks == [1 + int((row > row[t] + 1e-5).sum()) for row, t in zip(expected, ids[1:], strict=True)]
+        # A rank counts the tokens above the chosen one: one within float32 noise of it (Gemma's soft-capped
+        # logits have some) may fall on either side.
+        for rank, row, t in zip(ranks, expected, ids[1:], strict=True):
+            assert 1 + (row > row[t] + 1e-4).sum() <= rank <= 1 + (row > row[t] - 1e-4).sum()
         for row, top in zip(expected, tops, strict=True):
             np.testing.assert_allclose(row[top], np.sort(row)[::-1][:TOP], atol=1e-4)
         for entry in out.prompt_logprobs[1:]:
