@@ -46,6 +46,17 @@ def release_compiled_steps():
 
 
 @pytest.fixture(scope="module")
+def plain(tiny_llama_checkpoint):
+    """An engine on the tiny Llama with default settings, idle at the end (the baseline speculation is held to)."""
+    from test_engine import tiny_llm
+    from tiny_models import assert_engine_idle
+
+    engine = tiny_llm(tiny_llama_checkpoint[0])
+    yield engine
+    assert_engine_idle(engine)
+
+
+@pytest.fixture(scope="module")
 def tiny_server(tiny_llama_checkpoint):
     """A server on the tiny Llama, with a minimal chat template and default settings (one per test module)."""
     from jserve.server import ServerSettings

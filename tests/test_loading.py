@@ -56,50 +56,33 @@ def test_gguf_and_safetensors_give_the_same_logits(tmp_path, variant):
     assert from_gguf.tokenizer.encode("The quick brown fox") == from_hf.tokenizer.encode("The quick brown fox")
 
 
-def test_gemma3_gguf_gives_the_safetensors_logits(tmp_path):
-    """llama.cpp's Gemma 3 files carry (1 + w) norm scales and leave out what its loader fixes (every 6th
-    layer global, a local rope base of 10000, attention scaled by head_dim): a checkpoint laid out so."""
-    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}  # fmt: skip
-    layout = {"layer_types": ["sliding_attention"] * 2, "query_pre_attn_scalar": 16, "sliding_window": 12,
-              "rope_parameters": rope}  # fmt: skip
-    torch_model = save_tiny_checkpoint(tmp_path / "hf", "gemma3", head_dim=16, final_logit_softcapping=30.0, **layout)
-    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch="gemma3")
-    from_hf, from_gguf = load_model(tmp_path / "hf", "float32"), load_model(tmp_path / "model.gguf", "float32")
-    for name in (
-        "sliding_windows",
-        "rope_theta",
-        "rope_scaling",
-        "local_rope_theta",
-        "query_pre_attn_scalar",
-        "embedding_multiplier",
-        "sandwich_norms",
-        "hidden_activation",
-        "qk_norm",
-        "final_logit_softcapping",
-    ):
-        assert getattr(from_gguf.config, name) == getattr(from_hf.config, name), name  # fmt: skip
-    np.testing.assert_allclose(
-        jserve_prompt_logits(from_gguf, PROMPT), jserve_prompt_logits(from_hf, PROMPT), atol=1e-5, rtol=0
-    )
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}  # fmt: skip
 
 
-def test_gemma2_gguf_gives_the_safetensors_logits(tmp_path):
-    """Gemma 2 as llama.cpp writes it: every 2nd layer global, soft-caps in the metadata."""
-    torch_model = save_tiny_checkpoint(tmp_path / "hf", "gemma2", head_dim=16, query_pre_attn_scalar=16,
-                                       sliding_window=12, attn_logit_softcapping=3.0)  # fmt: skip
-    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch="gemma2")
+@pytest.mark.parametrize(
+    "family, layout, fields",
+    [
+        # every 6th layer global (so both of these slide), a local rope base of 10000, attention by head_dim
+        ("gemma3", {"layer_types": ["sliding_attention"] * 2, "rope_parameters": GEMMA3_ROPE,
+                    "final_logit_softcapping": 30.0},
+         ("sliding_windows", "rope_theta", "rope_scaling", "local_rope_theta", "query_pre_attn_scalar",
+          "embedding_multiplier", "sandwich_norms", "hidden_activation", "qk_norm", "final_logit_softcapping")),
+        # every 2nd layer global, soft-caps in the metadata
+        ("gemma2", {"attn_logit_softcapping": 3.0},
+         ("sliding_windows", "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+          "local_rope_theta", "qk_norm", "sandwich_norms")),
+    ],
+)  # fmt: skip
+def test_gemma_gguf_gives_the_safetensors_logits(tmp_path, family, layout, fields):
+    """llama.cpp's Gemma files carry (1 + w) norm scales and leave out what its loader fixes: checkpoints laid
+    out as it assumes."""
+    torch_model = save_tiny_checkpoint(tmp_path / "hf", family, head_dim=16, query_pre_attn_scalar=16,
+                                       sliding_window=12, **layout)  # fmt: skip
+    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch=family)
     from_hf, from_gguf = load_model(tmp_path / "hf", "float32"), load_model(tmp_path / "model.gguf", "float32")
-    for name in (
-        "sliding_windows",
-        "attn_logit_softcapping",
-        "final_logit_softcapping",
-        "query_pre_attn_scalar",
-        "local_rope_theta",
-        "qk_norm",
-        "sandwich_norms",
-    ):
-        assert getattr(from_gguf.config, name) == getattr(from_hf.config, name), name  # fmt: skip
+    for name in fields:
+        assert getattr(from_gguf.config, name) == getattr(from_hf.config, name), name
     np.testing.assert_allclose(
         jserve_prompt_logits(from_gguf, PROMPT), jserve_prompt_logits(from_hf, PROMPT), atol=1e-5, rtol=0
     )

@@ -85,13 +85,6 @@ def spec_counts(llm) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_llama_checkpoint):
-    engine = tiny_llm(tiny_llama_checkpoint[0])
-    yield engine
-    assert_engine_idle(engine)
-
-
-@pytest.fixture(scope="module")
 def spec(tiny_llama_checkpoint):
     engine = tiny_llm(tiny_llama_checkpoint[0], speculative_config=NGRAM)
     yield engine

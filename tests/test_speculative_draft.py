@@ -59,13 +59,6 @@ def noisy_draft(tiny_llama_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_llama_checkpoint):
-    engine = tiny_llm(tiny_llama_checkpoint[0])
-    yield engine
-    assert_engine_idle(engine)
-
-
-@pytest.fixture(scope="module")
 def spec(tiny_llama_checkpoint, noisy_draft):
     engine = tiny_llm(tiny_llama_checkpoint[0], speculative_config=draft_config(noisy_draft))
     yield engine

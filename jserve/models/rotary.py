@@ -25,8 +25,7 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
 
 def attention_factor(config: ModelConfig) -> float:
     """What cos and sin are scaled by (longrope's attention factor; 1 otherwise)."""
-    scaling = config.rope_scaling
-    return scaling.attention_factor if scaling is not None and scaling.rope_type == "longrope" else 1.0
+    return config.rope_scaling.attention_factor if config.rope_scaling is not None else 1.0
 
 
 def _scale(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
@@ -54,9 +53,7 @@ def rope_angles(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
     def tables(positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
         angles = jnp.concatenate([freqs, freqs], axis=-1)
-        if scale == 1.0:
-            return jnp.cos(angles), jnp.sin(angles)
-        return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+        return jnp.cos(angles) * scale, jnp.sin(angles) * scale  # (XLA drops a scale of 1)
 
     # XLA fuses cos/sin into every consumer, evaluating them again for each head of each layer's q and k
     # (11 of a 64-token step's ~240 ms on CPU); a conditional's results are buffers, computed once. Its
