@@ -181,9 +181,11 @@ def _prompts(rng, count: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def time_decode(llm: LLM, batch: int, context: int, steps: int, rng) -> Timing:
-    """Prefill `batch` prompts, then time `steps` steps in which every one of them decodes."""
+    """Prefill `batch` prompts, then time `steps` steps in which every one of them decodes. The first
+    prompts decode while the last are prefilled, so each may generate up to max_model_len: none finishes
+    before the timed steps end (the rest are aborted)."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=engine.config.max_model_len - context, ignore_eos=True)
     counts = {engine.add_request(p, params): 0 for p in _prompts(rng, batch, context, engine.model.config.vocab_size)}
 
     def advance() -> None:
@@ -201,6 +203,9 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int, rng) -> Timing:
     tokens = sum(counts.values()) - before[0]
     stats = engine.sync_stats()
     timing = Timing(tokens, seconds, stats.steps - before[1], stats.device_busy_s - before[2], stats.host_s - before[3])
+    assert tokens == batch * steps, f"{tokens} tokens in {steps} steps of {batch} sequences"
+    for request_id in counts:
+        engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     return timing
@@ -245,10 +250,13 @@ def main() -> None:
     # Before the engine: its KV pool takes most of the free device memory.
     quantization = Quantization(args.quantization)
     measured = measured_roof(resolve_dtype(args.dtype), quantization, probe, 2048 if on_cpu else 8192)
+    # Steps until the last prompt of the largest decode batch is prefilled (the first ones decode meanwhile).
+    prefill_steps = -(-max(args.decode_batch) * args.context // args.max_num_batched_tokens) + 2
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               attention_backend=args.attention_backend, max_num_seqs=max(args.decode_batch),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.context + args.decode_steps + 8, enable_prefix_caching=False)  # fmt: skip
+              max_model_len=args.context + args.decode_steps + prefill_steps + 8,
+              enable_prefix_caching=False)  # fmt: skip
     cost = ModelCost.of(llm)
     roofs = [r for r in (spec_roof(device.device_kind), measured) if r]
     rng = np.random.default_rng(args.seed)

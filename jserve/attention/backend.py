@@ -14,7 +14,7 @@ Backends:
   pallas-mosaic-gpu
               the Hopper kernel lowered through Mosaic GPU (`pallas_kernels.mosaic_gpu`; bfloat16/float16
               pages, head_dim 64 or 128; other models take the Triton kernel); on CPU in Pallas' GPU
-              interpret mode (jax >= 0.11). Not yet the default: it has not run on hardware.
+              interpret mode (jax >= 0.11). Not the default: slower than Triton on an H200.
   auto        pallas on GPU and TPU; on CPU the cpu kernel, or the reference where it cannot be built.
 The K/V write is an XLA scatter, in place with the cache donated; on a CPU with jserve's kernels it is
 `cpu_kernels.write_kv` instead, for every backend (XLA:CPU scatters into bfloat16 pages by converting the
