@@ -20,9 +20,11 @@ HF_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 MODEL_TYPES = {"gemma3_text": "gemma3"}  # config.json model_type -> family, where they differ
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
@@ -76,6 +78,14 @@ class ModelConfig:
     local_rope_theta: float | None = None  # sliding-window layers' rope base (no scaling); None: rope_theta
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # attention scores likewise (Gemma 2)
+    # Mixture of experts (Mixtral, Qwen3-MoE): in the layers marked in moe_layers the MLP is num_experts
+    # experts of moe_intermediate_size; each token goes to the num_experts_per_tok with the highest router
+    # probabilities, weighted by them (renormalized over those chosen if norm_topk_prob).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()  # per layer; default: every layer when num_experts
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -96,6 +106,12 @@ class ModelConfig:
             raise ModelLoadError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
         if len(self.sliding_windows) != self.num_layers:
             raise ModelLoadError(f"{len(self.sliding_windows)} sliding-window entries for {self.num_layers} layers")
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers:
+            raise ModelLoadError(f"{len(self.moe_layers)} mixture-of-experts entries for {self.num_layers} layers")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok {self.num_experts_per_tok} must be 1..{self.num_experts}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,7 +136,7 @@ class ModelConfig:
                 if rope.get(key) is not None:
                     rope[key] = tuple(rope[key])
             data["rope_scaling"] = RopeScaling(**rope)
-        for key in ("rope_freq_factors", "sliding_windows", "eos_token_ids"):
+        for key in ("rope_freq_factors", "sliding_windows", "eos_token_ids", "moe_layers"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
         return cls(**data)
@@ -204,6 +220,32 @@ def gemma_fields(config: dict[str, Any], family: str, hidden: int) -> dict[str, 
     )
 
 
+def moe_fields(config: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """ModelConfig fields of a mixture of experts (none for dense families)."""
+    if family not in ("mixtral", "qwen3_moe"):
+        return {}
+    # Hub configs name the count num_local_experts (Mixtral) or num_experts (Qwen3-MoE); transformers 5 writes
+    # num_local_experts for both.
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if experts is None:
+        raise KeyError("num_local_experts")
+    if family == "mixtral":  # every layer, experts as wide as the intermediate size, top-k renormalized
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=config["num_experts_per_tok"],
+            moe_intermediate_size=config["intermediate_size"],
+        )
+    # Qwen3-MoE: every decoder_sparse_step-th layer not listed in mlp_only_layers
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=config["num_experts_per_tok"],
+        moe_intermediate_size=config["moe_intermediate_size"],
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        moe_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+    )
+
+
 def rotary_dim_from_hf(config: dict[str, Any], head_dim: int) -> int:
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
@@ -217,7 +259,7 @@ def sliding_windows_from_hf(config: dict[str, Any], family: str, num_layers: int
     layer_types = config.get("layer_types")
     if layer_types is not None:
         return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         # Older Qwen configs: sliding only when enabled, and only from max_window_layers on.
         if not config.get("use_sliding_window", False):
             return (None,) * num_layers
@@ -251,12 +293,13 @@ def config_from_hf(config: dict[str, Any], source: str = "config.json") -> Model
             qkv_bias=family == "qwen2" or bool(config.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(config.get("attention_bias", False)),
             mlp_bias=bool(config.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             rope_scaling=scaling,
             sliding_windows=sliding_windows_from_hf(config, family, num_layers),
             rotary_dim=rotary_dim_from_hf(config, head_dim),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             bos_token_id=config.get("bos_token_id"),
+            **moe_fields(config, family, num_layers),
         )
     except KeyError as missing:
         raise ModelLoadError(f"{source}: missing required field {missing}") from None

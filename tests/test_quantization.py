@@ -48,25 +48,33 @@ def paths(tree):
     return [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-tied-mqa", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "variant", ["llama", "llama-tied-mqa", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+)
 def test_int8_model_is_the_float_model_with_int8_rounded_weights(tmp_path, variant):
     family, overrides = VARIANTS[variant]
     save_tiny_checkpoint(tmp_path, family, **overrides)
     full, int8 = load_model(tmp_path, "float32"), load_model(tmp_path, "float32", quantization="int8")
-    matrices = [leaf for leaf in jax.tree.leaves(int8.params) if leaf.ndim >= 2]
-    assert len(matrices) == 4 * 2 + 1 + (not int8.config.tie_word_embeddings)  # qkv, o, gate_up, down; table, head
-    assert all(leaf.dtype == np.int8 and leaf.ndim == (4 if tiles_weights() else 2) for leaf in matrices)
+    quantized = dict(zip(map(param_name, paths(int8.params)), jax.tree.leaves(int8.params), strict=True))
+    matrices = {name: leaf for name, leaf in quantized.items() if name.endswith(".weight") and leaf.ndim >= 2}
+    routers = {name for name in matrices if name.endswith("mlp.gate.weight")}
+    assert len(routers) == sum(int8.config.moe_layers)  # routers stay float: they pick the experts
+    assert all(matrices[name].dtype == np.float32 for name in routers)
+    int8_matrices = {name: leaf for name, leaf in matrices.items() if name not in routers}
+    assert len(int8_matrices) == 4 * 2 + 1 + (not int8.config.tie_word_embeddings)  # qkv, o, gate_up, down; table, head
+    for name, leaf in int8_matrices.items():  # experts' stacked weights stay in rows (grouped matmuls)
+        assert leaf.dtype == np.int8 and leaf.ndim == (3 if ".experts." in name else 4 if tiles_weights() else 2)
     nbytes = [sum(leaf.nbytes for leaf in jax.tree.leaves(model.params)) for model in (full, int8)]
     assert nbytes[1] < 0.3 * nbytes[0]
     # The int8 model computes what the float model computes with its weights rounded to int8, and nothing else:
     # the activations' two digits add no error worth the name.
     rounded = dict(zip(map(param_name, paths(full.params)), jax.tree.leaves(full.params), strict=True))
-    quantized = dict(zip(map(param_name, paths(int8.params)), jax.tree.leaves(int8.params), strict=True))
     for name, q in quantized.items():
         if q.dtype == np.int8:
             scale = quantized[name + "_scale"]
-            q = rows_of(q, jnp.arange(scale.shape[0]), rounded[name].shape[1])
-            rounded[name] = q.astype(np.float32) * scale[:, None]
+            if q.ndim != 3:
+                q = rows_of(q, jnp.arange(scale.shape[0]), rounded[name].shape[1])
+            rounded[name] = q.astype(np.float32) * scale[..., None]
     as_rounded = dataclasses.replace(
         full, params=jax.tree_util.tree_map_with_path(lambda path, _: rounded[param_name(path)], full.params)
     )

@@ -27,6 +27,8 @@ FAMILIES = {
     "phi3": transformers.Phi3Config,
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
+    "mixtral": transformers.MixtralConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
 }
 # longrope factors for the tiny models' 8 rotary dims of 16 (partial rotary 0.5): 4 frequencies.
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -86,6 +88,20 @@ VARIANTS = {
             },
         },
     ),
+    # Top-2 of 4 experts in every layer, the chosen two's weights renormalized.
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Top-3 of 6 narrower experts, renormalized, the second layer a dense MLP (mlp_only_layers), q/k norms.
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "head_dim": 32,
+        },
+    ),  # fmt: skip
 }
 
 

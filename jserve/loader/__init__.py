@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from jserve.config import ModelConfig, read_hf_config
 from jserve.loader.default_model import default_model_path
+from jserve.loader.expert_tensors import stack_expert_tensors
 from jserve.loader.fused_tensors import split_fused_tensors
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
 from jserve.loader.norm_offset import offset_norms
@@ -69,13 +70,15 @@ def load_model(
     gguf_file: str | None = None,
     cpu_int8_kernel: bool = True,
     max_model_len: int | None = None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder, a hub id
     (`org/name`, or `org/name:FILE.gguf`: from the HF cache, downloaded if absent), a `jserve convert` folder,
     or `random:<shape>` (random weights, see MODEL_SHAPES). `revision`, `download_dir`, `gguf_file`: see
     resolve_model. `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization),
     laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel` is False. `max_model_len`: the
-    context it will serve, which picks long-context rope frequencies where a model has two sets (longrope)."""
+    context it will serve, which picks long-context rope frequencies where a model has two sets (longrope).
+    `expert_parallel`: a mixture of experts on a mesh splits whole experts over its devices (not each expert)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     quantization = Quantization(quantization)
@@ -87,31 +90,34 @@ def load_model(
         config = gguf_config(reader, source.path).for_context(max_model_len)
         tokenizer = Tokenizer.from_gguf(reader)
         tensors = split_fused_tensors(iter_gguf_tensors(reader, config, source.path), config)
-        placement = WeightPlacement.create(config, mesh)
+        placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total=len(reader.tensors))
     elif source.kind == "hf":
         config = read_hf_config(source.path).for_context(max_model_len)
         tokenizer = Tokenizer.from_folder(source.path)
         files = safetensors_files(source.path)
-        placement = WeightPlacement.create(config, mesh)
+        name = source.path.name
+        placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = assemble(
             placement,
-            offset_norms(split_fused_tensors(iter_safetensors(files), config), config),
+            offset_norms(
+                split_fused_tensors(stack_expert_tensors(iter_safetensors(files), config, name), config), config
+            ),
             target_dtype,
-            source.path.name,
+            name,
             total=count_tensors(files),
         )
     elif source.kind == "random":
         config = shape_config(source.path.name)
         tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
-        placement = WeightPlacement.create(config, mesh)
+        placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = random_params(placement, target_dtype)
     else:
         config, saved_dtype = read_orbax_config(source.path)
         config = config.for_context(max_model_len)
         tokenizer = Tokenizer.from_folder(source.path)
         tensors = read_orbax(source.path, config, saved_dtype)
-        placement = WeightPlacement.create(config, mesh)
+        placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = assemble(placement, tensors.items(), target_dtype, source.path.name, total=len(tensors))
     num_params = sum(x.size for x in jax.tree.leaves(params))
     if quantization.quantized:

@@ -19,8 +19,9 @@ def quantize_model(
     placement: WeightPlacement, params: nnx.State, dtype, quantization: Quantization, cpu_kernel: bool = True
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) of the int8 or w8a8 model: each int8 weight and its `weight_scale` from the float
-    weight, the weight in the CPU kernel's tiles where it will run them (never if not `cpu_kernel`)."""
-    graphdef, abstract = abstract_model(placement.config, dtype, quantization, placement.shards)
+    weight, the weight in the CPU kernel's tiles where it will run them (never if not `cpu_kernel`; never for
+    experts, which run as grouped matmuls through XLA's int8 dot: grouped_matmul.py)."""
+    graphdef, abstract = abstract_model(placement.config, dtype, quantization, placement.parallelism)
     tiled = tiles_weights(cpu_kernel)
     floats = leaves_by_name(params)
     done: dict[str, jax.Array] = {}
@@ -38,6 +39,6 @@ def quantize_model(
 def _quantizer(weight_sharding, scale_sharding, tiled: bool):
     def quantize(w):
         q, scale = quantize_rows(w)
-        return (tile(q) if tiled else q), scale
+        return (tile(q) if tiled and q.ndim == 2 else q), scale  # experts' stacked weights stay in rows
 
     return jax.jit(quantize, out_shardings=None if weight_sharding is None else (weight_sharding, scale_sharding))

@@ -48,7 +48,7 @@ def shape_config(name: str) -> ModelConfig:
 def random_params(placement: WeightPlacement, dtype, seed: int = 0):
     """(graphdef, params): norms at one, every other weight normal with std 0.02 (activations stay finite),
     each drawn where the placement puts it (with a mesh, every device draws only its shard)."""
-    graphdef, abstract = abstract_model(placement.config, dtype, shards=placement.shards)
+    graphdef, abstract = abstract_model(placement.config, dtype, parallelism=placement.parallelism)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 

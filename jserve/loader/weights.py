@@ -21,7 +21,7 @@ from jserve.models import CausalLM
 from jserve.models.fused import fuse
 from jserve.models.fused import split as fused_split
 from jserve.models.linear import Linear
-from jserve.parallel import WeightPlacement, replicate_kv_heads
+from jserve.parallel import Parallelism, WeightPlacement, replicate_kv_heads
 
 
 def param_name(path) -> str:
@@ -31,14 +31,17 @@ def param_name(path) -> str:
     )
 
 
-def abstract_module(config: ModelConfig, dtype, quantization: str = "none", shards: int = 1) -> CausalLM:
-    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, quantization=quantization, shards=shards))
+def abstract_module(
+    config: ModelConfig, dtype, quantization: str = "none", parallelism: Parallelism | None = None
+) -> CausalLM:
+    parallelism = parallelism or Parallelism()
+    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, quantization=quantization, parallelism=parallelism))
 
 
 def abstract_model(
-    config: ModelConfig, dtype, quantization: str = "none", shards: int = 1
+    config: ModelConfig, dtype, quantization: str = "none", parallelism: Parallelism | None = None
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(abstract_module(config, dtype, quantization, shards))
+    return nnx.split(abstract_module(config, dtype, quantization, parallelism))
 
 
 def leaves_by_name(tree) -> dict:
@@ -54,6 +57,7 @@ class Piece:
     index: int  # among the parameter's pieces
     widths: tuple[int, ...]  # every piece's rows
     shards: int  # the tensor-parallel blocks the rows are ordered for (models/fused.py)
+    axis: int  # the rows' axis: 0, or 1 in stacked experts' weights [experts, rows, in]
 
 
 def fused_pieces(model: CausalLM) -> dict[str, Piece]:
@@ -64,8 +68,9 @@ def fused_pieces(model: CausalLM) -> dict[str, Piece]:
         if isinstance(node, Linear) and node.pieces:
             fused, names, widths = ".".join(map(str, path)), *zip(*node.pieces, strict=True)
             for kind in ("weight", "bias") if node.bias is not None else ("weight",):
+                axis = node.weight.ndim - 2 if kind == "weight" else node.bias.ndim - 1
                 for index, name in enumerate(names):
-                    piece = Piece(f"{fused}.{kind}", index, widths, node.shards)
+                    piece = Piece(f"{fused}.{kind}", index, widths, node.shards, axis)
                     pieces[f"{fused.rpartition('.')[0]}.{name}.{kind}"] = piece
     return pieces
 
@@ -79,10 +84,12 @@ def checkpoint_tensors(model: CausalLM) -> dict[str, jax.ShapeDtypeStruct | np.n
     for name, piece in pieces.items():
         fused = tensors[piece.param]
         if isinstance(fused, jax.ShapeDtypeStruct):
-            tensors[name] = jax.ShapeDtypeStruct((piece.widths[piece.index], *fused.shape[1:]), fused.dtype)
+            shape = list(fused.shape)
+            shape[piece.axis] = piece.widths[piece.index]
+            tensors[name] = jax.ShapeDtypeStruct(tuple(shape), fused.dtype)
         else:
             if piece.param not in split:
-                split[piece.param] = fused_split(np.asarray(fused), piece.widths, piece.shards, axis=0)
+                split[piece.param] = fused_split(np.asarray(fused), piece.widths, piece.shards, axis=piece.axis)
             tensors[name] = split[piece.param][piece.index]
     for piece in pieces.values():
         tensors.pop(piece.param, None)
@@ -98,10 +105,13 @@ def assemble(
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) for the placement's config from (name, array) pairs checked against the
     checkpoint's config; names may carry the HF `model.` prefix."""
-    config, shards = placement.config, placement.shards
-    model = abstract_module(config, dtype, shards=shards)
+    config, parallelism = placement.config, placement.parallelism
+    model = abstract_module(config, dtype, parallelism=parallelism)
     # Shapes as the checkpoint has them (tensor-parallel padding may have grown the placed ones).
-    original = model if placement.original == config else abstract_module(placement.original, dtype, shards=shards)
+    if placement.original != config:
+        original = abstract_module(placement.original, dtype, parallelism=parallelism)
+    else:
+        original = model
     expected, pieces = checkpoint_tensors(original), fused_pieces(model)
     loaded: dict[str, jax.Array] = {}
     waiting: dict[str, list[np.ndarray | None]] = {}  # fused params by name: their pieces so far
@@ -127,7 +137,7 @@ def assemble(
         parts = waiting.setdefault(piece.param, [None] * len(piece.widths))
         parts[piece.index] = replicate_kv_heads(key, array, placement.original, config)
         if all(part is not None for part in parts):
-            loaded[piece.param] = placement.put(piece.param, fuse(waiting.pop(piece.param), shards))
+            loaded[piece.param] = placement.put(piece.param, fuse(waiting.pop(piece.param), piece.shards, piece.axis))
     if expected:
         missing = sorted(expected)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -1,4 +1,4 @@
-"""The decoder-only causal LM shared by the Llama, Mistral, Qwen2/3, Phi-3 and Gemma 3 families.
+"""The decoder-only causal LM shared by every family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen3-MoE).
 
 Parameter paths mirror Hugging Face names without the `model.` prefix (`layers.3.self_attn.o_proj.weight`),
 so checkpoints map onto the module tree by name; a fused projection (`self_attn.qkv_proj`, `mlp.gate_up_proj`)
@@ -23,20 +23,33 @@ from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 from jserve.models.rotary import attention_factor, inverse_frequencies, rope_angles
 from jserve.models.sandwich_decoder import SandwichDecoderLayer
+from jserve.parallel import Parallelism
 
 
 class CausalLM(nnx.Module):
-    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, quantization: str = "none", shards: int = 1):
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype=jnp.float32,
+        quantization: str = "none",
+        parallelism: Parallelism | None = None,
+    ):
         """`quantization` int8 or w8a8: every projection, the embedding and the head hold int8 weights (norms
-        stay float), and multiply activations in that scheme (quantization.py). `shards`: the tensor-parallel
-        devices, whose blocks of rows the fused projections order theirs for (fused.py)."""
+        and routers stay float), and multiply activations in that scheme (quantization.py). `parallelism`:
+        the tensor-parallel devices, whose blocks of rows the fused projections order theirs for (fused.py),
+        and how a mixture of experts splits over them (moe.py)."""
         self.config = config
+        parallelism = parallelism or Parallelism()
         quantization = Quantization(quantization)  # a name ("int8") or the mode itself
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, quantization=quantization)
         # A Python list, unrolled at trace time: measured ~2x faster than lax.scan over stacked layers on CPU.
         layer = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
         self.layers = nnx.List(
-            [layer(config, i, dtype=dtype, quantization=quantization, shards=shards) for i in range(config.num_layers)]
+            [
+                layer(config, i, dtype=dtype, quantization=quantization, parallelism=parallelism)
+                for i in range(config.num_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         tied, head = config.tie_word_embeddings, (config.hidden_size, config.vocab_size)

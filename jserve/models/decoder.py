@@ -1,4 +1,4 @@
-"""One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x))."""
+"""One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x)) (a dense MLP or a mixture of experts)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,24 @@ from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
 from jserve.models.attention import Attention
 from jserve.models.mlp import MLP
+from jserve.models.moe import SparseMoE
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
+from jserve.parallel import Parallelism
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: Quantization, shards: int = 1):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, *, dtype, quantization: Quantization, parallelism: Parallelism
+    ):
+        shards = parallelism.shards
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(config, layer_idx, dtype=dtype, quantization=quantization, shards=shards)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(config, dtype=dtype, quantization=quantization, shards=shards)
+        if config.moe_layers[layer_idx]:
+            self.mlp = SparseMoE(config, dtype=dtype, quantization=quantization, parallelism=parallelism)
+        else:
+            self.mlp = MLP(config, dtype=dtype, quantization=quantization, shards=shards)
 
     def __call__(
         self,

@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def fuse(pieces: Sequence[np.ndarray], shards: int) -> np.ndarray:
-    """Checkpoint pieces (weights [rows, in] or biases [rows]) -> the fused array, rows shard by shard."""
-    blocks = [piece.reshape(shards, -1, *piece.shape[1:]) for piece in pieces]
-    return np.concatenate(blocks, axis=1).reshape(-1, *pieces[0].shape[1:])
+def fuse(pieces: Sequence[np.ndarray], shards: int, axis: int = 0) -> np.ndarray:
+    """Checkpoint pieces (weights [rows, in], biases [rows], or stacked experts' [experts, rows, in]) -> the
+    fused array, rows (along `axis`) shard by shard."""
+    before = pieces[0].shape[:axis]
+    blocks = [piece.reshape(*before, shards, -1, *piece.shape[axis + 1 :]) for piece in pieces]
+    return np.concatenate(blocks, axis=axis + 1).reshape(*before, -1, *pieces[0].shape[axis + 1 :])
 
 
 def split(fused, widths: Sequence[int], shards: int, axis: int) -> list:

@@ -22,16 +22,18 @@ class Linear(nnx.Module):
         dtype,
         quantization: Quantization,
         shards: int = 1,
+        experts: int = 0,
     ):
         """`out_features` {checkpoint name: rows} fuses those projections, their rows ordered for `shards`
-        tensor-parallel devices (fused.py)."""
+        tensor-parallel devices (fused.py). `experts`: one weight per expert, stacked (models/moe.py)."""
         quantized = quantization.quantized
         self.pieces = tuple(out_features.items()) if isinstance(out_features, dict) else ()
         self.shards = shards
         rows = sum(width for _, width in self.pieces) or out_features
         self.activation_group = quantization.activation_group
-        self.weight = nnx.Param(jnp.zeros((rows, in_features), jnp.int8 if quantized else dtype))
-        self.weight_scale = nnx.Param(jnp.zeros((rows,), jnp.float32)) if quantized else None
+        stack = (experts,) if experts else ()
+        self.weight = nnx.Param(jnp.zeros((*stack, rows, in_features), jnp.int8 if quantized else dtype))
+        self.weight_scale = nnx.Param(jnp.zeros((*stack, rows), jnp.float32)) if quantized else None
         self.bias = nnx.Param(jnp.zeros((rows,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:

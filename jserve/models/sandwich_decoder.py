@@ -11,11 +11,14 @@ from jserve.config import ModelConfig
 from jserve.models.decoder import DecoderLayer
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
+from jserve.parallel import Parallelism
 
 
 class SandwichDecoderLayer(DecoderLayer):
-    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype, quantization: Quantization, shards: int = 1):
-        super().__init__(config, layer_idx, dtype=dtype, quantization=quantization, shards=shards)
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, *, dtype, quantization: Quantization, parallelism: Parallelism
+    ):
+        super().__init__(config, layer_idx, dtype=dtype, quantization=quantization, parallelism=parallelism)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 

@@ -2,7 +2,9 @@
 
 from jserve.parallel.partition import (
     MODEL_AXIS,
+    Parallelism,
     WeightPlacement,
+    expert_spec,
     kv_cache_spec,
     make_mesh,
     param_spec,
@@ -12,7 +14,9 @@ from jserve.parallel.partition import (
 
 __all__ = [
     "MODEL_AXIS",
+    "Parallelism",
     "WeightPlacement",
+    "expert_spec",
     "kv_cache_spec",
     "make_mesh",
     "param_spec",

@@ -8,6 +8,10 @@
   devices, each KV head is replicated (its k/v projection rows repeated at load time) so every device
   holds the KV heads its query heads read. Head counts that do not divide evenly are an error, not padded:
   padding would spend memory and compute on heads that do not exist.
+- Mixture-of-experts layers: the router is replicated. With tensor parallelism each expert's MLP splits
+  like a dense one (gate/up by output features, down by input features); with expert parallelism
+  (`--enable-expert-parallel`) whole experts are split across devices instead. Either way each device
+  computes its part of every routed token and one all-reduce sums them (models/moe.py).
 - The embedding is replicated (a lookup needs no communication); an untied LM head is vocab-parallel and
   its logits are gathered by XLA for sampling, which sees the whole vocabulary. A tied head is the
   replicated embedding.
@@ -48,11 +52,19 @@ def make_mesh(tensor_parallel_size: int) -> Mesh | None:
     return Mesh(np.array(devices[:tensor_parallel_size]), (MODEL_AXIS,))
 
 
-def tensor_parallel_config(config: ModelConfig, tp: int) -> ModelConfig:
+def tensor_parallel_config(config: ModelConfig, tp: int, expert_parallel: bool = False) -> ModelConfig:
     """The config as the sharded model sees it (KV heads replicated up to tp), after checking it splits."""
+    if expert_parallel and not config.num_experts:
+        raise ModelLoadError("expert parallelism needs a mixture-of-experts model (this one has no experts)")
     if tp == 1:
         return config
-    for name, count in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
+    splits = [("num_heads", config.num_heads)]
+    if not all(config.moe_layers):
+        splits.append(("intermediate_size", config.intermediate_size))
+    if config.num_experts:
+        splits.append(("num_experts", config.num_experts) if expert_parallel
+                      else ("moe_intermediate_size", config.moe_intermediate_size))  # fmt: skip
+    for name, count in splits:
         if count % tp:
             raise ModelLoadError(f"{name} {count} does not split over tensor_parallel_size {tp}")
     kv = config.num_kv_heads
@@ -71,10 +83,12 @@ def replicate_kv_heads(name: str, array: np.ndarray, original: ModelConfig, shar
     return np.repeat(heads, repeats, axis=0).reshape(sharded.num_kv_heads * original.head_dim, *array.shape[1:])
 
 
-def param_spec(name: str, config: ModelConfig, tp: int) -> PartitionSpec:
+def param_spec(name: str, config: ModelConfig, tp: int, expert_parallel: bool = False) -> PartitionSpec:
     """How the parameter `layers.3.self_attn.qkv_proj.weight` ([out, in] layout) is split."""
     module, _, kind = name.rpartition(".")
     layer = module.rpartition(".")[2]
+    if ".experts." in name:
+        return expert_spec(layer, kind, expert_parallel)
     if layer in _COLUMN:
         return PartitionSpec(MODEL_AXIS, None) if kind == "weight" else PartitionSpec(MODEL_AXIS)
     if layer in _ROW:
@@ -84,9 +98,34 @@ def param_spec(name: str, config: ModelConfig, tp: int) -> PartitionSpec:
     return PartitionSpec()  # embedding, norms (and a head whose vocabulary does not split)
 
 
+def expert_spec(projection: str, kind: str, expert_parallel: bool) -> PartitionSpec:
+    """How an expert projection's stacked `weight` [experts, out, in] or `weight_scale` [experts, out] is
+    split: by expert, or each expert's like a dense projection's."""
+    if expert_parallel:
+        return PartitionSpec(MODEL_AXIS)
+    if projection in _COLUMN:
+        return PartitionSpec(None, MODEL_AXIS)
+    return PartitionSpec(None, None, MODEL_AXIS) if kind == "weight" else PartitionSpec()
+
+
 def kv_cache_spec() -> PartitionSpec:
     """KV pages [num_pages, page_size, kv_heads, head_dim], split by KV head."""
     return PartitionSpec(None, None, MODEL_AXIS, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """How a model's layers run over devices: the mesh (None: one device) and, for a mixture of experts,
+    whether its experts are split across the devices (expert parallel) or each expert is (tensor parallel).
+    Static: the model's structure holds it, and its layers shard_map over the mesh where XLA's automatic
+    partitioning would gather whole weights."""
+
+    mesh: Mesh | None = None
+    expert_parallel: bool = False
+
+    @property
+    def shards(self) -> int:
+        return self.mesh.size if self.mesh else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,17 +135,25 @@ class WeightPlacement:
     original: ModelConfig  # as the checkpoint describes it
     config: ModelConfig  # as the (sharded) model is built
     mesh: Mesh | None = None
+    expert_parallel: bool = False
 
     @classmethod
-    def create(cls, config: ModelConfig, mesh: Mesh | None) -> WeightPlacement:
-        return cls(config, tensor_parallel_config(config, mesh.size if mesh else 1), mesh)
+    def create(cls, config: ModelConfig, mesh: Mesh | None, expert_parallel: bool = False) -> WeightPlacement:
+        sharded = tensor_parallel_config(config, mesh.size if mesh else 1, expert_parallel)
+        return cls(config, sharded, mesh, expert_parallel)
 
     @property
     def shards(self) -> int:
         return self.mesh.size if self.mesh else 1
 
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(self.mesh, self.expert_parallel)
+
     def sharding(self, name: str) -> NamedSharding | None:
-        return None if self.mesh is None else NamedSharding(self.mesh, param_spec(name, self.config, self.mesh.size))
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, param_spec(name, self.config, self.mesh.size, self.expert_parallel))
 
     def put(self, name: str, array: np.ndarray) -> jax.Array:
         """Place a host tensor; with a mesh each device receives only its own shard."""
