@@ -2,9 +2,10 @@
 one model at several tensor-parallel sizes; prints JSON with greedy tokens, prompt logits and per-device bytes.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-        python tests/tensor_parallel_worker.py MODEL QUANT SPEC TP [TP ...]
+        python tests/tensor_parallel_worker.py MODEL QUANT SPEC TP [TP ...] [--expert-parallel]
 
 SPEC: "none", "ngram" for n-gram speculative decoding, or "draft" for the model as its own draft model.
+--expert-parallel: a mixture of experts splits its experts over the devices.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def main() -> None:
     }.get(sys.argv[3])
     # Every step keeps its drafts, whatever the start-up timings of a busy machine say (the test counts them).
     Speculator.worthwhile = lambda self, sequences: sequences
-    sizes = [int(s) for s in sys.argv[4:]]
+    expert_parallel = "--expert-parallel" in sys.argv
+    sizes = [int(s) for s in sys.argv[4:] if s != "--expert-parallel"]
     results = {}
     for tp in sizes:
         llm = LLM(
@@ -53,6 +55,7 @@ def main() -> None:
             kv_cache_memory=(48 << 20) // tp,  # per device: the same pages at every size
             quantization=quantization,
             speculative_config=speculative,
+            enable_expert_parallel=expert_parallel,
         )
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         results[tp] = {

@@ -22,10 +22,12 @@ from tiny_models import VARIANTS, save_tiny_checkpoint
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
-def run_worker(model: str, sizes: list[int], quantization: str = "none", speculative: str = "none") -> dict:
+def run_worker(
+    model: str, sizes: list[int], quantization: str = "none", speculative: str = "none", expert_parallel: bool = False
+) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    done = subprocess.run([sys.executable, str(WORKER), model, quantization, speculative, *map(str, sizes)], env=env,
-                          capture_output=True, text=True, timeout=1200)  # fmt: skip
+    args = [model, quantization, speculative, *map(str, sizes)] + (["--expert-parallel"] if expert_parallel else [])
+    done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     return {int(tp): result for tp, result in json.loads(done.stdout).items()}
 
@@ -49,15 +51,52 @@ def check_against_one_device(results: dict, replicated_weight_bytes: int) -> Non
         assert result["kv_shard_shape"][2] == max(kv_heads, tp) // tp
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "mixtral"])
 def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     """2 KV heads: split at TP 2, replicated to one per device at TP 4."""
-    overrides = VARIANTS[family][1] if family in ("phi3", "gemma2", "gemma3") else {}  # longrope; Gemma's layout
+    # longrope; Gemma's layout; experts (each split like a dense MLP)
+    overrides = VARIANTS[family][1] if family in ("phi3", "gemma2", "gemma3", "mixtral") else {}
     save_tiny_checkpoint(tmp_path, family, **overrides)
     results = run_worker(str(tmp_path), [1, 2, 4])
     assert results[4]["num_kv_heads"] == 4
-    vocab, hidden = 320, 64
-    check_against_one_device(results, replicated_weight_bytes=vocab * hidden * 4 + 2 * 1024 * 4)
+    check_against_one_device(results, replicated_weight_bytes=replicated_bytes(family))
+
+
+def replicated_bytes(family: str) -> int:
+    """The tiny models' replicated weights (bytes, float32): embedding table, norms, and routers."""
+    vocab, hidden, layers = 320, 64, 2
+    experts = {"mixtral": 4, "qwen3_moe": 6}.get(family, 0)
+    routers = layers * experts * hidden * (1 if family == "mixtral" else 0.5)  # Qwen3-MoE's second layer is dense
+    return int((vocab * hidden + 2 * 1024 + routers) * 4)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_expert_parallel_gives_one_devices_tokens(tmp_path, family):
+    """Whole experts per device (Mixtral 4 over 2 and 4 devices; Qwen3-MoE's 6 over 2, its dense layer
+    tensor-parallel), greedy tokens and logits as on one device, each device holding its experts only."""
+    save_tiny_checkpoint(tmp_path, family, **VARIANTS[family][1])
+    sizes = [1, 2, 4] if family == "mixtral" else [1, 2]
+    results = run_worker(str(tmp_path), sizes, expert_parallel=True)
+    check_against_one_device(results, replicated_weight_bytes=replicated_bytes(family))
+
+
+def test_int8_experts_at_expert_parallel_2(tmp_path):
+    """int8 experts split by expert give one device's tokens (logits held as int8 at TP 2 is, above)."""
+    save_tiny_checkpoint(tmp_path, "mixtral", **VARIANTS["mixtral"][1])
+    results = run_worker(str(tmp_path), [1, 2], quantization="int8", expert_parallel=True)
+    assert results[2]["tokens"] == results[1]["tokens"]
+    one = np.asarray(results[1]["logits"])
+    np.testing.assert_allclose(results[2]["logits"], one, atol=1e-3 * np.abs(one).max())
+    assert max(results[2]["weight_bytes"][:2]) < 0.6 * results[1]["weight_bytes"][0]
+
+
+def test_expert_parallel_needs_experts_that_split():
+    mixtral = dataclasses.replace(MODEL_SHAPES["smollm2-135m"], family="mixtral", num_experts=6,
+                                  num_experts_per_tok=2, moe_intermediate_size=1536, moe_layers=())  # fmt: skip
+    with pytest.raises(ModelLoadError, match="num_experts 6 does not split over tensor_parallel_size 4"):
+        tensor_parallel_config(dataclasses.replace(mixtral, num_heads=8, num_kv_heads=4), 4, expert_parallel=True)
+    with pytest.raises(ModelLoadError, match="needs a mixture-of-experts model"):
+        tensor_parallel_config(MODEL_SHAPES["smollm2-135m"], 1, expert_parallel=True)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

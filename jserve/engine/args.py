@@ -65,6 +65,11 @@ class EngineArgs:
         aliases=("--scheduling-policy",),
     )
     tensor_parallel_size: int = setting(1, "devices to split each layer's heads and MLP over")
+    enable_expert_parallel: bool = setting(
+        False,
+        "mixture-of-experts models: split whole experts over the tensor-parallel devices (each holds and runs "
+        "num_experts / tensor_parallel_size of them) instead of splitting every expert",
+    )
     seed: int = setting(0, "seeds the sampling of requests that bring no seed of their own")
     attention_backend: str = setting(
         "auto",
@@ -118,6 +123,7 @@ class EngineArgs:
             download_dir=self.download_dir,
             gguf_file=self.gguf_file,
             max_model_len=self.max_model_len,
+            expert_parallel=self.enable_expert_parallel,
         )
         draft = self._load_draft_model(loaded, mesh)
         config = resolve_engine_config(self, loaded.config, loaded.dtype, draft=draft.config if draft else None)
