@@ -56,6 +56,26 @@ def test_gguf_and_safetensors_give_the_same_logits(tmp_path, variant):
     assert from_gguf.tokenizer.encode("The quick brown fox") == from_hf.tokenizer.encode("The quick brown fox")
 
 
+@pytest.mark.parametrize(
+    "variant, arch, split_experts",
+    [("mixtral", "llama", False), ("mixtral", "llama", True), ("qwen3_moe", "qwen3moe", False)],
+    ids=["mixtral", "mixtral-expert-per-tensor", "qwen3_moe"],
+)
+def test_mixture_of_experts_gguf_gives_the_safetensors_logits(tmp_path, variant, arch, split_experts):
+    """llama.cpp's expert tensors (stacked ffn_*_exps, or one per expert in older Mixtral files) and metadata
+    (expert counts; which layers have experts, from their router tensors)."""
+    family, overrides = VARIANTS[variant]
+    torch_model = save_tiny_checkpoint(tmp_path / "hf", family, **overrides)
+    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch=arch, split_experts=split_experts)
+    from_hf, from_gguf = load_model(tmp_path / "hf", "float32"), load_model(tmp_path / "model.gguf", "float32")
+    for name in ("family", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                 "moe_layers", "qk_norm"):  # fmt: skip
+        assert getattr(from_gguf.config, name) == getattr(from_hf.config, name), name
+    np.testing.assert_allclose(
+        jserve_prompt_logits(from_gguf, PROMPT), jserve_prompt_logits(from_hf, PROMPT), atol=1e-5, rtol=0
+    )
+
+
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}  # fmt: skip
 

@@ -176,6 +176,7 @@ GGUF_LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
 }
 
 
@@ -202,6 +203,20 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     return f"blk.{layer}.{names[module]}.{suffix}"
 
 
+def gguf_tensors(name: str, w: np.ndarray, arch: str, split_experts: bool) -> list[tuple[str, np.ndarray]]:
+    """A transformers tensor as llama.cpp names it; its fused experts (gate_up_proj [E, 2I, H], down_proj)
+    as stacked ffn_*_exps tensors or one per expert."""
+    if ".mlp.experts." not in name:
+        return [(gguf_tensor_name(name, arch), w)]
+    layer = name.removeprefix("model.").split(".")[1]
+    pieces = (
+        dict(zip(("gate", "up"), np.split(w, 2, axis=1), strict=True)) if name.endswith("gate_up_proj") else {"down": w}
+    )
+    if split_experts:
+        return [(f"blk.{layer}.ffn_{p}.{e}.weight", x[e]) for p, x in pieces.items() for e in range(len(x))]
+    return [(f"blk.{layer}.ffn_{p}_exps.weight", x) for p, x in pieces.items()]
+
+
 def write_gguf(
     model: transformers.PreTrainedModel,
     folder: Path,
@@ -209,10 +224,13 @@ def write_gguf(
     arch: str = "llama",
     qtype=None,
     float_dtype=np.float32,
+    split_experts: bool = False,
 ) -> None:
     """Write `model` (saved with its tokenizer in `folder`) as a GGUF file the way llama.cpp lays it out.
 
-    2-D weights are stored as `qtype` (e.g. Q8_0) when given, everything else as `float_dtype`.
+    2-D weights are stored as `qtype` (e.g. Q8_0) when given, everything else as `float_dtype`. Experts are
+    stacked per projection (ffn_gate_exps), or one tensor per expert (blk.N.ffn_gate.E) if `split_experts`,
+    as older Mixtral files have them.
     """
     import gguf
     from gguf.quants import quantize
@@ -235,6 +253,11 @@ def write_gguf(
         writer.add_rope_scaling_factor(rope["factor"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "num_local_experts", None):
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if hasattr(cfg, "moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     vocab = sorted(tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
@@ -283,10 +306,11 @@ def write_gguf(
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        if qtype is not None and w.ndim == 2:
-            writer.add_tensor(gguf_tensor_name(name, arch), quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_tensor_name(name, arch), w)
+        for gguf_name, array in gguf_tensors(name, w, arch, split_experts):
+            if qtype is not None and array.ndim >= 2:
+                writer.add_tensor(gguf_name, quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -89,7 +89,8 @@ def load_model(
         reader = open_gguf(source.path)
         config = gguf_config(reader, source.path).for_context(max_model_len)
         tokenizer = Tokenizer.from_gguf(reader)
-        tensors = split_fused_tensors(iter_gguf_tensors(reader, config, source.path), config)
+        tensors = iter_gguf_tensors(reader, config, source.path)
+        tensors = split_fused_tensors(stack_expert_tensors(tensors, config, source.path.name), config)
         placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total=len(reader.tensors))
     elif source.kind == "hf":

@@ -23,7 +23,9 @@ SUPPORTED_TENSOR_TYPES = (
 )  # fmt: skip
 GGUF_ARCHITECTURES = {
     "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
+    "qwen3moe": "qwen3_moe",
 }  # fmt: skip
+MOE_FAMILIES = {"llama": "mixtral"}  # llama.cpp writes Mixtral as a llama with experts
 # What llama.cpp's files leave out of Gemma's settings, as its loader fixes them: every Nth layer global (Gemma
 # 2: every 2nd, Gemma 3: every 6th), Gemma 3's local rope base, and the layer count of the 27B models (scaled
 # by hidden / heads, the others by head_dim).
@@ -49,7 +51,14 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts: the router, and each projection of every expert stacked [experts, out, in]
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Older Mixtral files: one tensor per expert (blk.N.ffn_gate.E.weight), stacked by the loader (expert_tensors.py).
+EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # Where an architecture's names mean something else: Phi-3's ffn_up holds the gate's rows, then the up
 # projection's; Gemma's ffn_norm comes before the MLP, and its sublayers have norms after them too.
 ARCH_LAYER_NAMES = {
@@ -123,6 +132,15 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
             long_factor=tuple(float(x) for x in _tensor_by_name(reader, "rope_factors_long.weight").data),
             attention_factor=float(field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
         )
+    experts, moe = field(reader, f"{arch}.expert_count", 0), {}
+    if experts:
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=meta("expert_used_count"),
+            moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length") or meta("feed_forward_length"),
+            norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", True)),  # llama.cpp's default for both
+            moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in names for i in range(meta("block_count"))),
+        )
     freq_factors = None
     if "rope_freqs.weight" in names:
         freq_factors = tuple(float(x) for x in _tensor_by_name(reader, "rope_freqs.weight").data)
@@ -144,7 +162,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
             attn_logit_softcapping=field(reader, f"{arch}.attn_logit_softcapping"),
         )  # fmt: skip
     return ModelConfig(
-        family=GGUF_ARCHITECTURES[arch],
+        family=MOE_FAMILIES.get(arch, GGUF_ARCHITECTURES[arch]) if experts else GGUF_ARCHITECTURES[arch],
         vocab_size=meta("vocab_size", len(tokens.data) if tokens is not None else None),
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
@@ -167,6 +185,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         **gemma,
+        **moe,
     )
 
 
@@ -181,6 +200,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return None  # folded into ModelConfig.rope_freq_factors / rope_scaling
     names = LAYER_NAMES | ARCH_LAYER_NAMES.get(arch, {})
+    if expert := EXPERT_TENSOR.fullmatch(gguf_name):
+        layer, projection, index = expert.groups()
+        return f"layers.{layer}.mlp.experts.{index}.{projection}_proj.weight"
     match = LAYER_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in names:
         layer, kind, suffix = match.groups()
