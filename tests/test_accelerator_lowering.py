@@ -39,15 +39,20 @@ def runner(tiny_llama_checkpoint):
     return llm.engine.runner
 
 
-def lower_step(runner, platform: str, attention, quantization: str = "none", dtype=jnp.bfloat16) -> list[str]:
-    """The lowered text of the runner's step for an 8B-shaped Llama: a lone decode, and a full mixed step."""
-    config = MODEL_SHAPES["llama3-8b"]
+def lower_step(
+    runner, platform: str, attention, quantization: str = "none", dtype=jnp.bfloat16, config=None
+) -> list[str]:
+    """The lowered text of the runner's step for an 8B-shaped Llama (or `config`): a lone decode, and a full
+    mixed step."""
+    config = config or MODEL_SHAPES["llama3-8b"]
     graphdef, abstract = abstract_model(config, dtype, quantization)
     params, params_def = jax.tree_util.tree_flatten(abstract)
     page_shape = (runner.config.num_pages, runner.config.page_size, config.num_kv_heads, config.head_dim)
     pages = jax.ShapeDtypeStruct(page_shape, dtype)
     kv_cache = (KVPages(pages, pages),) * config.num_layers
-    draft_config = dataclasses.replace(config, num_layers=2, sliding_windows=config.sliding_windows[:2])
+    draft_config = dataclasses.replace(
+        config, num_layers=2, sliding_windows=config.sliding_windows[:2], moe_layers=config.moe_layers[:2]
+    )
     draft_graphdef, draft_abstract = abstract_model(draft_config, dtype, quantization)
     draft_params, draft_def = jax.tree_util.tree_flatten(draft_abstract)
     drafter = Drafter(draft_graphdef, draft_def, config.vocab_size, runner.drafter.num_tokens)
@@ -85,3 +90,16 @@ def test_the_mosaic_gpu_backend_lowers_its_kernel_or_falls_back_to_triton(runner
     other = TRITON_CALL if kernel_call == MOSAIC_GPU_CALL else MOSAIC_GPU_CALL
     for text in lower_step(runner, "cuda", attention, dtype=dtype):
         assert kernel_call in text and other not in text
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_mixture_of_experts_step_lowers_for_the_accelerator(runner, platform, quantization):
+    """An 8B-shaped Mixtral-style model (8 experts, top 2): float experts run as XLA's ragged_dot there, int8
+    ones as the tiled walk through int8 dots (the CPU's path); no C++ kernel either way."""
+    moe = dataclasses.replace(MODEL_SHAPES["llama3-8b"], family="mixtral", num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=14336, moe_layers=())  # fmt: skip
+    attention = resolve_attention_backend("auto", platform=PLATFORMS[platform][0])
+    for text in lower_step(runner, platform, attention, quantization, config=moe):
+        assert ("ragged_dot" in text) == (quantization == "none")
+        assert "jserve_" not in text

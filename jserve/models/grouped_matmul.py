@@ -1,14 +1,16 @@
 """Grouped matmul: rows sorted by group (a mixture of experts' tokens by expert), each group's rows times its
 own weight, in fixed shapes and at a cost that grows with the rows, not with rows × groups.
 
-On GPUs and TPUs this is XLA's `ragged_dot` (megablox-style kernels). On CPU, jax's ragged_dot computes every
-row against every group's weight (32 experts: ~38x a dense matmul of the same rows, measured), so jserve walks
-the sorted rows in tiles instead: each (tile, group) pair that shares rows is one [tile, in] x [in, out]
-matmul with the other groups' rows masked out, at most tiles + groups - 1 of them. int8 weights (with a
-scale per output) take the tiled path everywhere, through XLA's int8 dot.
+On GPUs and TPUs float weights go through XLA's `ragged_dot` (megablox-style kernels). On CPU, jax's
+ragged_dot computes every row against every group's weight (32 experts: ~38x a dense matmul of the same
+rows, measured), so jserve walks the sorted rows in tiles instead: each (tile, group) pair that shares rows
+is one [tile, in] x [in, out] matmul with the other groups' rows masked out, at most tiles + groups - 1 of
+them. int8 weights (with a scale per output) take the tiled path everywhere, through XLA's int8 dot.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +30,16 @@ def grouped_matmul(
     """x [M, in], its rows sorted by group; w [G, out, in] (int8 with `scale` [G, out] when quantized, its
     activations in `activation_group`'s scheme); group_sizes int32 [G] with sum <= M: rows past the last
     group are padding and come back as zeros. -> [M, out] in x's dtype."""
-    if scale is None and jax.default_backend() != "cpu":
-        return jax.lax.ragged_dot_general(x, w, group_sizes, _DIMENSIONS)
-    return _tiled(x, w, group_sizes, scale, activation_group)
+    if scale is not None:
+        return _tiled(x, w, group_sizes, scale, activation_group)
+    # Chosen by the platform the step is lowered for, so a CPU host can lower an accelerator's step.
+    return jax.lax.platform_dependent(
+        x, w, group_sizes, cpu=partial(_tiled, scale=None, activation_group=0), default=_ragged
+    )
+
+
+def _ragged(x, w, group_sizes):
+    return jax.lax.ragged_dot_general(x, w, group_sizes, _DIMENSIONS)
 
 
 def _tiled(x, w, group_sizes, scale, activation_group):
