@@ -4,6 +4,7 @@ The default model's tokenizer stands in; ids past its vocabulary decode to nothi
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cache
 
 import jax
@@ -36,6 +37,11 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
         tie_word_embeddings=True,
     ),
 }  # fmt: skip
+# A mixture of experts with SmolLM2-135M's active size: each token runs 2 of 8 experts of half its MLP width.
+MODEL_SHAPES["smollm2-135m-moe"] = dataclasses.replace(
+    MODEL_SHAPES["smollm2-135m"], family="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768,
+    moe_layers=(),
+)  # fmt: skip
 
 
 def shape_config(name: str) -> ModelConfig:
