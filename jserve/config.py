@@ -85,7 +85,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
-    moe_layers: tuple[bool, ...] = ()  # per layer; default: every layer when num_experts
+    moe_layers: tuple[bool, ...] = ()  # per layer, where only some have experts; () every layer (see has_experts)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
@@ -106,12 +106,14 @@ class ModelConfig:
             raise ModelLoadError(f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}")
         if len(self.sliding_windows) != self.num_layers:
             raise ModelLoadError(f"{len(self.sliding_windows)} sliding-window entries for {self.num_layers} layers")
-        if not self.moe_layers:
-            object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
-        if len(self.moe_layers) != self.num_layers:
+        if self.moe_layers and len(self.moe_layers) != self.num_layers:
             raise ModelLoadError(f"{len(self.moe_layers)} mixture-of-experts entries for {self.num_layers} layers")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ModelLoadError(f"num_experts_per_tok {self.num_experts_per_tok} must be 1..{self.num_experts}")
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -242,8 +244,13 @@ def moe_fields(config: dict[str, Any], family: str, num_layers: int) -> dict[str
         num_experts_per_tok=config["num_experts_per_tok"],
         moe_intermediate_size=config["moe_intermediate_size"],
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        moe_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        moe_layers=sparse_layers([i not in dense and (i + 1) % step == 0 for i in range(num_layers)]),
     )
+
+
+def sparse_layers(layers: list[bool]) -> tuple[bool, ...]:
+    """ModelConfig.moe_layers for these layers with experts: () when every one has them."""
+    return () if all(layers) else tuple(layers)
 
 
 def rotary_dim_from_hf(config: dict[str, Any], head_dim: int) -> int:

@@ -98,7 +98,7 @@ def test_a_mixture_of_experts_step_lowers_for_the_accelerator(runner, platform, 
     """An 8B-shaped Mixtral-style model (8 experts, top 2): float experts run as XLA's ragged_dot there, int8
     ones as the tiled walk through int8 dots (the CPU's path); no C++ kernel either way."""
     moe = dataclasses.replace(MODEL_SHAPES["llama3-8b"], family="mixtral", num_experts=8, num_experts_per_tok=2,
-                              moe_intermediate_size=14336, moe_layers=())  # fmt: skip
+                              moe_intermediate_size=14336)  # fmt: skip
     attention = resolve_attention_backend("auto", platform=PLATFORMS[platform][0])
     for text in lower_step(runner, platform, attention, quantization, config=moe):
         assert ("ragged_dot" in text) == (quantization == "none")

@@ -92,7 +92,7 @@ def test_int8_experts_at_expert_parallel_2(tmp_path):
 
 def test_expert_parallel_needs_experts_that_split():
     mixtral = dataclasses.replace(MODEL_SHAPES["smollm2-135m"], family="mixtral", num_experts=6,
-                                  num_experts_per_tok=2, moe_intermediate_size=1536, moe_layers=())  # fmt: skip
+                                  num_experts_per_tok=2, moe_intermediate_size=1536)  # fmt: skip
     with pytest.raises(ModelLoadError, match="num_experts 6 does not split over tensor_parallel_size 4"):
         tensor_parallel_config(dataclasses.replace(mixtral, num_heads=8, num_kv_heads=4), 4, expert_parallel=True)
     with pytest.raises(ModelLoadError, match="needs a mixture-of-experts model"):

@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from jserve.config import SUPPORTED_FAMILIES, ModelConfig, RopeScaling
+from jserve.config import SUPPORTED_FAMILIES, ModelConfig, RopeScaling, sparse_layers
 from jserve.errors import ModelLoadError
 
 G = GGMLQuantizationType
@@ -139,7 +139,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
             num_experts_per_tok=meta("expert_used_count"),
             moe_intermediate_size=field(reader, f"{arch}.expert_feed_forward_length") or meta("feed_forward_length"),
             norm_topk_prob=bool(field(reader, f"{arch}.expert_weights_norm", True)),  # llama.cpp's default for both
-            moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in names for i in range(meta("block_count"))),
+            moe_layers=sparse_layers([f"blk.{i}.ffn_gate_inp.weight" in names for i in range(meta("block_count"))]),
         )
     freq_factors = None
     if "rope_freqs.weight" in names:

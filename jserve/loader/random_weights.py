@@ -40,7 +40,6 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
 # A mixture of experts with SmolLM2-135M's active size: each token runs 2 of 8 experts of half its MLP width.
 MODEL_SHAPES["smollm2-135m-moe"] = dataclasses.replace(
     MODEL_SHAPES["smollm2-135m"], family="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768,
-    moe_layers=(),
 )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(config, layer_idx, dtype=dtype, quantization=quantization, shards=shards)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
-        if config.moe_layers[layer_idx]:
+        if config.has_experts(layer_idx):
             self.mlp = SparseMoE(config, dtype=dtype, quantization=quantization, parallelism=parallelism)
         else:
             self.mlp = MLP(config, dtype=dtype, quantization=quantization, shards=shards)

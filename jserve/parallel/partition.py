@@ -59,7 +59,7 @@ def tensor_parallel_config(config: ModelConfig, tp: int, expert_parallel: bool =
     if tp == 1:
         return config
     splits = [("num_heads", config.num_heads)]
-    if not all(config.moe_layers):
+    if not all(config.has_experts(i) for i in range(config.num_layers)):
         splits.append(("intermediate_size", config.intermediate_size))
     if config.num_experts:
         splits.append(("num_experts", config.num_experts) if expert_parallel
