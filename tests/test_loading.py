@@ -247,6 +247,25 @@ def test_missing_tensor(tmp_path, llama_folder):
         load_model(bad)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [("drop", "mlp.experts.up_proj.weight lacks experts 2"), ("extra", "names expert 4 of a model with 4 experts")],
+)
+def test_missing_or_extra_experts(tmp_path, change, message):
+    from safetensors.numpy import load_file, save_file
+
+    save_tiny_checkpoint(tmp_path, "mixtral", **VARIANTS["mixtral"][1])
+    tensors = load_file(tmp_path / "model.safetensors")
+    expert = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    if change == "drop":
+        del tensors[expert]
+    else:
+        tensors[expert.replace(".2.", ".4.")] = tensors[expert]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(tmp_path)
+
+
 def test_corrupt_gguf(tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + bytes(range(256)) * 4)

@@ -51,11 +51,11 @@ def check_against_one_device(results: dict, replicated_weight_bytes: int) -> Non
         assert result["kv_shard_shape"][2] == max(kv_heads, tp) // tp
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
 def test_tiny_models_at_tp_2_and_4(tmp_path, family):
     """2 KV heads: split at TP 2, replicated to one per device at TP 4."""
     # longrope; Gemma's layout; experts (each split like a dense MLP)
-    overrides = VARIANTS[family][1] if family in ("phi3", "gemma2", "gemma3", "mixtral") else {}
+    overrides = VARIANTS[family][1] if family in ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe") else {}
     save_tiny_checkpoint(tmp_path, family, **overrides)
     results = run_worker(str(tmp_path), [1, 2, 4])
     assert results[4]["num_kv_heads"] == 4
