@@ -15,7 +15,11 @@ ABSTRACT_DEVICES = {
 
 def lowering_for(platform: str):
     """A context in which a jitted function lowers for `platform` ("cuda" or "tpu") as on one such device."""
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ABSTRACT_DEVICES[platform])
+    # Auto axes, as the engine's meshes have (jax >= 0.12 makes an abstract mesh's axes Explicit by default,
+    # under which ragged_dot asks for an output sharding the engine never needs to give).
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=ABSTRACT_DEVICES[platform]
+    )
     return jax.sharding.use_abstract_mesh(mesh)
 
 
