@@ -1,7 +1,8 @@
 """jserve's CPU kernels: C++ behind XLA's FFI, built on first use with the system compiler.
 
 paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_linear.cc the
-projections of --quantization int8 (with AVX-512 VNNI); zero_pages.cc allocates the KV cache and
+projections of --quantization int8 (with AVX-512 VNNI); gguf_linear.cc projections and lookups of weights
+kept in GGUF's block formats; zero_pages.cc allocates the KV cache and
 write_kv.cc writes into it. The sources are compiled together, once per machine, source, compiler and
 jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and registered as XLA custom calls. Without a
 C++ compiler `available()` is False and the CPU runs the plain-JAX attention and XLA's int8 dot instead.
@@ -35,6 +36,8 @@ TARGETS = {  # XLA name: exported symbol
     "jserve_int8_linear": "JserveInt8Linear",
     "jserve_zero_pages": "JserveZeroPages",
     "jserve_write_kv": "JserveWriteKv",
+    "jserve_gguf_linear": "JserveGgufLinear",
+    "jserve_gguf_rows": "JserveGgufRows",
 }
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart, without -ffast-math: with it GCC links crtfastmath.o, which switches on flush-to-zero for
@@ -174,6 +177,35 @@ def int8_linear(
     call = jax.ffi.ffi_call("jserve_int8_linear", jax.ShapeDtypeStruct((x.shape[0], scale.shape[0]), jnp.float32))
     operands = (x, real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32), q, scale)
     return call(*operands, eps=np.float32(eps), group=np.int64(group))
+
+
+def gguf_linear(
+    x: jax.Array,
+    w: jax.Array,
+    segments: tuple[tuple[int, int], ...],
+    real_rows: jax.Array | None = None,
+    norm: tuple[jax.Array, float] | None = None,
+) -> jax.Array:
+    """x [tokens, in] float32 times a weight in GGUF block formats -> [tokens, out] float32. `w`: the rows'
+    bytes (uint8, flat), `segments`: (ggml type, rows) of each run of rows, in order. `real_rows`, `norm`: as
+    int8_linear's."""
+    load()
+    if real_rows is None:
+        real_rows = jnp.full((1,), x.shape[0], jnp.int32)
+    norm_weight, eps = norm if norm is not None else (jnp.zeros((0,), jnp.float32), 0.0)
+    outputs = sum(rows for _, rows in segments)
+    call = jax.ffi.ffi_call("jserve_gguf_linear", jax.ShapeDtypeStruct((x.shape[0], outputs), jnp.float32))
+    types, rows = (np.asarray(column, np.int64) for column in zip(*segments, strict=True))
+    operands = (x.astype(jnp.float32), real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32), w)
+    return call(*operands, eps=np.float32(eps), types=types, rows=rows)
+
+
+def gguf_rows(table: jax.Array, ggml_type: int, depth: int, ids: jax.Array) -> jax.Array:
+    """Rows `ids` [N] of a table of `depth` columns in one GGUF block format (uint8, flat), dequantized ->
+    [N, depth] float32."""
+    load()
+    call = jax.ffi.ffi_call("jserve_gguf_rows", jax.ShapeDtypeStruct((ids.shape[0], depth), jnp.float32))
+    return call(table, ids.astype(jnp.int32), type=np.int64(ggml_type))
 
 
 def write_kv(

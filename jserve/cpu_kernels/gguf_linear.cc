@@ -1,0 +1,360 @@
+// y = norm(x) · wᵀ for float activations x [T, in] and a weight kept in llama.cpp's GGUF block formats:
+// the checkpoint's own bytes, dequantized a few rows at a time inside the matmul, so a step reads as many
+// weight bytes as the file holds (Q4_1: 0.56 bytes a weight, against float32's 4) and multiplies exactly
+// the checkpoint's weights (float accumulation: the float32 path's results up to summation order).
+//
+// Formats (ggml's layouts): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in blocks of 32 weights, and the K-quants Q4_K,
+// Q5_K, Q6_K in super-blocks of 256. A weight may be several segments of rows, each in its own format
+// (a fused q/k/v whose pieces the file stores differently), given as the attributes `types` and `rows`;
+// its bytes are the segments' rows back to back.
+//
+// Work items are groups of output rows: each worker dequantizes kRows rows into a float buffer that stays
+// in L1/L2, then multiplies it with every token, kTokens tokens by kRows rows of accumulators at a time.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define JSERVE_AVX512 1
+#else
+#define JSERVE_AVX512 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ggml's type ids (gguf.GGMLQuantizationType).
+enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+struct Format {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+};
+
+bool FormatOf(int64_t type, Format* format) {
+  switch (type) {
+    case kQ4_0: *format = {32, 18}; return true;
+    case kQ4_1: *format = {32, 20}; return true;
+    case kQ5_0: *format = {32, 22}; return true;
+    case kQ5_1: *format = {32, 24}; return true;
+    case kQ8_0: *format = {32, 34}; return true;
+    case kQ4_K: *format = {256, 144}; return true;
+    case kQ5_K: *format = {256, 176}; return true;
+    case kQ6_K: *format = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if JSERVE_AVX512
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  float value = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
+                : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                 : std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+  return sign ? -value : value;
+#endif
+}
+
+uint32_t Word(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// A K-quant sub-block's 6-bit scale and min (ggml's get_scale_min_k4).
+void ScaleMin(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One row of `blocks` blocks of `type` at `in` into floats `out` (as gguf-py's dequantize computes them).
+void DequantizeRow(int64_t type, const uint8_t* in, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    switch (type) {
+      case kQ4_0: {
+        const uint8_t* p = in + 18 * b;
+        const float d = Half(p);
+        const uint8_t* qs = p + 2;
+        float* y = out + 32 * b;
+        for (int j = 0; j < 16; ++j) {
+          y[j] = d * static_cast<float>((qs[j] & 0xF) - 8);
+          y[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
+        }
+        break;
+      }
+      case kQ4_1: {
+        const uint8_t* p = in + 20 * b;
+        const float d = Half(p), m = Half(p + 2);
+        const uint8_t* qs = p + 4;
+        float* y = out + 32 * b;
+        for (int j = 0; j < 16; ++j) {
+          y[j] = d * static_cast<float>(qs[j] & 0xF) + m;
+          y[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+        }
+        break;
+      }
+      case kQ5_0: {
+        const uint8_t* p = in + 22 * b;
+        const float d = Half(p);
+        const uint32_t qh = Word(p + 2);
+        const uint8_t* qs = p + 6;
+        float* y = out + 32 * b;
+        for (int j = 0; j < 16; ++j) {
+          y[j] = d * static_cast<float>(static_cast<int>((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
+          y[j + 16] = d * static_cast<float>(static_cast<int>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+        }
+        break;
+      }
+      case kQ5_1: {
+        const uint8_t* p = in + 24 * b;
+        const float d = Half(p), m = Half(p + 2);
+        const uint32_t qh = Word(p + 4);
+        const uint8_t* qs = p + 8;
+        float* y = out + 32 * b;
+        for (int j = 0; j < 16; ++j) {
+          y[j] = d * static_cast<float>((qs[j] & 0xF) | (((qh >> j) & 1) << 4)) + m;
+          y[j + 16] = d * static_cast<float>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+        }
+        break;
+      }
+      case kQ8_0: {
+        const uint8_t* p = in + 34 * b;
+        const float d = Half(p);
+        const int8_t* qs = reinterpret_cast<const int8_t*>(p + 2);
+        float* y = out + 32 * b;
+        for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(qs[j]);
+        break;
+      }
+      case kQ4_K:
+      case kQ5_K: {
+        const bool five = type == kQ5_K;
+        const uint8_t* p = in + (five ? 176 : 144) * b;
+        const float d = Half(p), dmin = Half(p + 2);
+        const uint8_t* scales = p + 4;
+        const uint8_t* qh = p + 16;
+        const uint8_t* qs = p + (five ? 48 : 16);
+        float* y = out + 256 * b;
+        for (int chunk = 0; chunk < 4; ++chunk) {  // 64 weights: the low nibbles of 32 bytes, then the high ones
+          uint8_t sc[2], mn[2];
+          ScaleMin(2 * chunk, scales, &sc[0], &mn[0]);
+          ScaleMin(2 * chunk + 1, scales, &sc[1], &mn[1]);
+          const float d1 = d * sc[0], m1 = dmin * mn[0], d2 = d * sc[1], m2 = dmin * mn[1];
+          const uint8_t* q = qs + 32 * chunk;
+          for (int l = 0; l < 32; ++l) {
+            int lo = q[l] & 0xF, hi = q[l] >> 4;
+            if (five) {
+              lo |= ((qh[l] >> (2 * chunk)) & 1) << 4;
+              hi |= ((qh[l] >> (2 * chunk + 1)) & 1) << 4;
+            }
+            y[64 * chunk + l] = d1 * static_cast<float>(lo) - m1;
+            y[64 * chunk + 32 + l] = d2 * static_cast<float>(hi) - m2;
+          }
+        }
+        break;
+      }
+      case kQ6_K: {
+        const uint8_t* p = in + 210 * b;
+        const uint8_t* ql = p;
+        const uint8_t* qh = p + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        const float d = Half(p + 208);
+        float* y = out + 256 * b;
+        for (int half = 0; half < 2; ++half) {  // 128 weights from 64 low-nibble bytes and 32 high-bit bytes
+          const uint8_t* l4 = ql + 64 * half;
+          const uint8_t* h2 = qh + 32 * half;
+          const int8_t* s = sc + 8 * half;
+          float* out128 = y + 128 * half;
+          for (int l = 0; l < 32; ++l) {
+            const int is = l / 16;
+            const int q1 = ((l4[l] & 0xF) | (((h2[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = ((l4[l + 32] & 0xF) | (((h2[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = ((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = ((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
+            out128[l] = d * static_cast<float>(s[is]) * static_cast<float>(q1);
+            out128[l + 32] = d * static_cast<float>(s[is + 2]) * static_cast<float>(q2);
+            out128[l + 64] = d * static_cast<float>(s[is + 4]) * static_cast<float>(q3);
+            out128[l + 96] = d * static_cast<float>(s[is + 6]) * static_cast<float>(q4);
+          }
+        }
+        break;
+      }
+    }
+  }
+}
+
+constexpr int64_t kRows = 4;     // output rows dequantized together (a work item holds several groups)
+constexpr int64_t kTokens = 4;   // tokens per pass over the buffered rows: kRows × kTokens accumulators
+constexpr int64_t kRowsPerNorm = 8;
+constexpr int64_t kWorkPerItem = int64_t{1} << 17;  // multiply-adds per work item
+
+// RMSNorm of x[0, depth) into `normed`, as norm.py computes it (float32, mean of squares, rsqrt).
+void NormalizeRow(const float* x, int64_t depth, const float* norm, float eps, float* normed) {
+  float squares = 0.0f;
+  for (int64_t k = 0; k < depth; ++k) squares += x[k] * x[k];
+  const float r = 1.0f / std::sqrt(squares / static_cast<float>(depth) + eps);
+  for (int64_t k = 0; k < depth; ++k) normed[k] = norm[k] * (x[k] * r);
+}
+
+// y[t, o + r] for r < n rows of `w` (floats [n, depth]) and tokens [t0, t1) of x.
+void MultiplyRows(const float* w, int64_t n, const float* x, int64_t depth, int64_t t0, int64_t t1, int64_t outputs,
+                  int64_t o, float* y) {
+#if JSERVE_AVX512
+  for (int64_t t = t0; t < t1; t += kTokens) {
+    const int64_t tokens = std::min(kTokens, t1 - t);
+    __m512 acc[kRows][kTokens];
+    for (int r = 0; r < kRows; ++r)
+      for (int i = 0; i < kTokens; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < depth; k += 16) {
+      const __mmask16 m = depth - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (depth - k)) - 1);
+      __m512 xv[kTokens];
+      for (int i = 0; i < kTokens; ++i) {
+        xv[i] = i < tokens ? _mm512_maskz_loadu_ps(m, x + (t + i) * depth + k) : _mm512_setzero_ps();
+      }
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 wv = r < n ? _mm512_maskz_loadu_ps(m, w + r * depth + k) : _mm512_setzero_ps();
+        for (int i = 0; i < kTokens; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+      }
+    }
+    for (int r = 0; r < n; ++r)
+      for (int i = 0; i < tokens; ++i) y[(t + i) * outputs + o + r] = _mm512_reduce_add_ps(acc[r][i]);
+  }
+#else
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t r = 0; r < n; ++r) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < depth; ++k) sum += w[r * depth + k] * x[t * depth + k];
+      y[t * outputs + o + r] = sum;
+    }
+#endif
+}
+
+// y = norm(x) · wᵀ. Arguments x, the number of x's leading rows that are real (the rest is a step's padding:
+// its outputs are zeros), the RMSNorm weight applied to x first (or none: [0]), the weight's bytes; the
+// result y. Attributes: eps, and per segment of rows its ggml type and row count.
+ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, ffi::Buffer<ffi::F32> norm,
+                      ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y, float eps, ffi::Span<const int64_t> types,
+                      ffi::Span<const int64_t> rows) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() != 2 || real_rows.element_count() != 1 ||
+      (norm.element_count() != 0 && norm.element_count() != x_dims[1]) || types.size() != rows.size()) {
+    return ffi::Error::InvalidArgument("gguf linear: needs x [tokens, in], its real row count [1], a norm weight "
+                                       "[in] or [0], the weight's bytes, and a type and row count per segment");
+  }
+  const int64_t count = x_dims[0], depth = x_dims[1];
+  struct Segment {
+    int64_t type, rows, row_bytes, blocks, first_row, offset;
+  };
+  std::vector<Segment> segments;
+  int64_t outputs = 0, offset = 0;
+  for (size_t s = 0; s < types.size(); ++s) {
+    Format format;
+    if (!FormatOf(types[s], &format) || depth % format.block) {
+      return ffi::Error::InvalidArgument("gguf linear: unsupported type, or inputs not a whole number of blocks");
+    }
+    const int64_t blocks = depth / format.block;
+    segments.push_back({types[s], rows[s], blocks * format.bytes, blocks, outputs, offset});
+    outputs += rows[s];
+    offset += rows[s] * blocks * format.bytes;
+  }
+  if (offset != static_cast<int64_t>(w.element_count()) || y->element_count() != count * outputs) {
+    return ffi::Error::InvalidArgument("gguf linear: the weight's bytes or the result's size do not match");
+  }
+  const int64_t tokens = std::clamp<int64_t>(real_rows.typed_data()[0], 0, count);
+  float* out = y->typed_data();
+  std::fill(out + tokens * outputs, out + count * outputs, 0.0f);
+  if (tokens == 0) return ffi::Error::Success();
+
+  const float* xs = x.typed_data();
+  std::vector<float> normed;
+  if (norm.element_count()) {
+    normed.resize(tokens * depth);
+    const int64_t items = (tokens + kRowsPerNorm - 1) / kRowsPerNorm;
+    jserve::ParallelFor(items, [&](int64_t item) {
+      for (int64_t t = item * kRowsPerNorm; t < std::min(tokens, (item + 1) * kRowsPerNorm); ++t) {
+        NormalizeRow(xs + t * depth, depth, norm.typed_data(), eps, normed.data() + t * depth);
+      }
+    });
+    xs = normed.data();
+  }
+  // Work items: runs of whole row groups within one segment, about kWorkPerItem multiply-adds each.
+  struct Item {
+    int64_t segment, row_begin, row_end;
+  };
+  const int64_t per_item = std::max<int64_t>(kRows, kWorkPerItem / (tokens * depth) / kRows * kRows);
+  std::vector<Item> items;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    for (int64_t r = 0; r < segments[s].rows; r += per_item) {
+      items.push_back({static_cast<int64_t>(s), r, std::min(segments[s].rows, r + per_item)});
+    }
+  }
+  const uint8_t* bytes = w.typed_data();
+  jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const Item& item = items[i];
+    const Segment& segment = segments[item.segment];
+    std::vector<float> buffer(kRows * depth);
+    for (int64_t r = item.row_begin; r < item.row_end; r += kRows) {
+      const int64_t n = std::min(kRows, item.row_end - r);
+      for (int64_t j = 0; j < n; ++j) {
+        const uint8_t* row = bytes + segment.offset + (r + j) * segment.row_bytes;
+        DequantizeRow(segment.type, row, segment.blocks, buffer.data() + j * depth);
+      }
+      MultiplyRows(buffer.data(), n, xs, depth, 0, tokens, outputs, segment.first_row + r, out);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// Rows `ids` of a table in one GGUF type, dequantized: the embedding lookup of a GGUF-native model.
+ffi::Error GgufRows(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y,
+                    int64_t type) {
+  Format format;
+  const auto y_dims = y->dimensions();
+  if (!FormatOf(type, &format) || y_dims.size() != 2 || y_dims[0] != ids.element_count() ||
+      y_dims[1] % format.block) {
+    return ffi::Error::InvalidArgument("gguf rows: unsupported type, or the result is not [ids, whole blocks]");
+  }
+  const int64_t depth = y_dims[1], blocks = depth / format.block, row_bytes = blocks * format.bytes;
+  const int64_t table_rows = static_cast<int64_t>(table.element_count()) / row_bytes;
+  for (int64_t i = 0; i < ids.element_count(); ++i) {
+    const int64_t id = std::clamp<int64_t>(ids.typed_data()[i], 0, table_rows - 1);  // as XLA's gather clamps
+    DequantizeRow(type, table.typed_data() + id * row_bytes, blocks, y->typed_data() + i * depth);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveGgufLinear, GgufLinear,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
+                                  .Attr<ffi::Span<const int64_t>>("types")
+                                  .Attr<ffi::Span<const int64_t>>("rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveGgufRows, GgufRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("type"));
