@@ -84,8 +84,151 @@ void ScaleMin(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
   }
 }
 
+#if JSERVE_AVX512
+// The float steps with explicit rounding, so that -ffast-math fuses nothing: each weight is the product
+// and sum gguf-py computes, bit for bit.
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+__m512 Mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kNearest); }
+__m512 Add(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kNearest); }
+__m512 Sub(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, kNearest); }
+
+// 16 unsigned / signed bytes as floats.
+__m512 Unsigned(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
+__m512 Signed(__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+__m128i Low(__m128i bytes) { return _mm_and_si128(bytes, _mm_set1_epi8(0x0F)); }
+__m128i High(__m128i bytes) { return _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F)); }
+__m128i Load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// Weights [32 i, 32 i + 32) of a row in format kType as two vectors: the formats most files use; the
+// others take DequantizeRow's scalar loops.
+template <int64_t kType>
+inline void Dequant32(const uint8_t* row, int64_t i, __m512* w) {
+  if constexpr (kType == kQ4_0) {
+    const uint8_t* p = row + 18 * i;
+    const __m512 d = _mm512_set1_ps(Half(p)), eight = _mm512_set1_ps(8.0f);
+    const __m128i qs = Load16(p + 2);
+    w[0] = Mul(d, Sub(Unsigned(Low(qs)), eight));
+    w[1] = Mul(d, Sub(Unsigned(High(qs)), eight));
+  } else if constexpr (kType == kQ4_1) {
+    const uint8_t* p = row + 20 * i;
+    const __m512 d = _mm512_set1_ps(Half(p)), m = _mm512_set1_ps(Half(p + 2));
+    const __m128i qs = Load16(p + 4);
+    w[0] = Add(Mul(d, Unsigned(Low(qs))), m);
+    w[1] = Add(Mul(d, Unsigned(High(qs))), m);
+  } else if constexpr (kType == kQ8_0) {
+    const uint8_t* p = row + 34 * i;
+    const __m512 d = _mm512_set1_ps(Half(p));
+    w[0] = Mul(d, Signed(Load16(p + 2)));
+    w[1] = Mul(d, Signed(Load16(p + 18)));
+  } else if constexpr (kType == kQ4_K) {  // sub-block j of 8: the low (even j) or high nibbles of 32 bytes
+    const uint8_t* p = row + 144 * (i / 8);
+    const int j = static_cast<int>(i % 8);
+    uint8_t sc, mn;
+    ScaleMin(j, p + 4, &sc, &mn);
+    const __m512 d = _mm512_set1_ps(Half(p) * sc), m = _mm512_set1_ps(Half(p + 2) * mn);
+    const uint8_t* q = p + 16 + 32 * (j / 2);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes = Load16(q + 16 * half);
+      w[half] = Sub(Mul(d, Unsigned(j % 2 ? High(bytes) : Low(bytes))), m);
+    }
+  } else if constexpr (kType == kQ6_K) {  // group j of 4 in half h: 32 weights, 16 positions per scale
+    const uint8_t* p = row + 210 * (i / 8);
+    const int h = static_cast<int>(i % 8) / 4, j = static_cast<int>(i % 4);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 8 * h;
+    const float d = Half(p + 208);
+    const uint8_t* ql = p + 64 * h + 32 * (j % 2);
+    const uint8_t* qh = p + 128 + 32 * h;
+    for (int is = 0; is < 2; ++is) {
+      const __m128i lows = j < 2 ? Low(Load16(ql + 16 * is)) : High(Load16(ql + 16 * is));
+      const __m128i bits = _mm_and_si128(_mm_srli_epi16(Load16(qh + 16 * is), 2 * j), _mm_set1_epi8(3));
+      const __m128i q = _mm_sub_epi8(_mm_or_si128(lows, _mm_slli_epi16(bits, 4)), _mm_set1_epi8(32));
+      w[is] = Mul(_mm512_set1_ps(d * static_cast<float>(sc[is + 2 * j])), Signed(q));
+    }
+  }
+}
+
+template <int64_t kType>
+void DequantizeVectors(const uint8_t* row, int64_t blocks32, float* out) {
+  for (int64_t i = 0; i < blocks32; ++i) {
+    __m512 w[2];
+    Dequant32<kType>(row, i, w);
+    _mm512_storeu_ps(out + 32 * i, w[0]);
+    _mm512_storeu_ps(out + 32 * i + 16, w[1]);
+  }
+}
+
+bool DequantizeRowVectors(int64_t type, const uint8_t* in, int64_t blocks, float* out) {
+  switch (type) {
+    case kQ4_0: DequantizeVectors<kQ4_0>(in, blocks, out); return true;
+    case kQ4_1: DequantizeVectors<kQ4_1>(in, blocks, out); return true;
+    case kQ8_0: DequantizeVectors<kQ8_0>(in, blocks, out); return true;
+    case kQ4_K: DequantizeVectors<kQ4_K>(in, 8 * blocks, out); return true;
+    case kQ6_K: DequantizeVectors<kQ6_K>(in, 8 * blocks, out); return true;
+    default: return false;
+  }
+}
+
+// y[t0 + t, o + r] for kRowsN rows (bytes `rows`, `row_bytes` apart) and kTokensN tokens of x: each 32
+// weights are dequantized in registers and meet every token at once (two accumulator chains per pair, so
+// the FMAs' latency overlaps). For steps of a few tokens, where a buffer would cost more than it saves.
+template <int64_t kType, int kRowsN, int kTokensN>
+void FusedRows(const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x, int64_t depth, int64_t t0,
+               int64_t outputs, int64_t o, float* y) {
+  __m512 acc[kRowsN][kTokensN][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRowsN; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < kTokensN; ++t) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < depth / 32; ++i) {
+    __m512 xv[kTokensN][2];
+#pragma GCC unroll 4
+    for (int t = 0; t < kTokensN; ++t) {
+      xv[t][0] = _mm512_loadu_ps(x + (t0 + t) * depth + 32 * i);
+      xv[t][1] = _mm512_loadu_ps(x + (t0 + t) * depth + 32 * i + 16);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRowsN; ++r) {
+      if (r >= n) break;
+      __m512 w[2];
+      Dequant32<kType>(rows + r * row_bytes, i, w);
+#pragma GCC unroll 4
+      for (int t = 0; t < kTokensN; ++t) {
+        acc[r][t][0] = _mm512_fmadd_ps(w[0], xv[t][0], acc[r][t][0]);
+        acc[r][t][1] = _mm512_fmadd_ps(w[1], xv[t][1], acc[r][t][1]);
+      }
+    }
+  }
+  for (int r = 0; r < n; ++r)
+    for (int t = 0; t < kTokensN; ++t) {
+      y[(t0 + t) * outputs + o + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
+    }
+}
+
+using FusedFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+constexpr int kFusedRows[5] = {0, 4, 4, 2, 2};  // rows per call by token count: ≤ 16 accumulators
+
+template <int64_t kType>
+constexpr FusedFn kFused[5] = {nullptr, FusedRows<kType, 4, 1>, FusedRows<kType, 4, 2>, FusedRows<kType, 2, 3>,
+                               FusedRows<kType, 2, 4>};
+
+// The fused kernels of a format, or null where it has none.
+const FusedFn* FusedFor(int64_t type) {
+  switch (type) {
+    case kQ4_0: return kFused<kQ4_0>;
+    case kQ4_1: return kFused<kQ4_1>;
+    case kQ8_0: return kFused<kQ8_0>;
+    case kQ4_K: return kFused<kQ4_K>;
+    case kQ6_K: return kFused<kQ6_K>;
+    default: return nullptr;
+  }
+}
+#endif
+
 // One row of `blocks` blocks of `type` at `in` into floats `out` (as gguf-py's dequantize computes them).
 void DequantizeRow(int64_t type, const uint8_t* in, int64_t blocks, float* out) {
+#if JSERVE_AVX512
+  if (DequantizeRowVectors(type, in, blocks, out)) return;
+#endif
   for (int64_t b = 0; b < blocks; ++b) {
     switch (type) {
       case kQ4_0: {
@@ -308,7 +451,19 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
     const Segment& segment = segments[item.segment];
-    std::vector<float> buffer(kRows * depth);
+#if JSERVE_AVX512
+    const FusedFn* fused = tokens <= kTokens ? FusedFor(segment.type) : nullptr;
+    if (fused != nullptr) {  // a few tokens: no buffer
+      const int64_t step = kFusedRows[tokens];
+      for (int64_t r = item.row_begin; r < item.row_end; r += step) {
+        fused[tokens](bytes + segment.offset + r * segment.row_bytes, segment.row_bytes,
+                      std::min(step, item.row_end - r), xs, depth, 0, outputs, segment.first_row + r, out);
+      }
+      return;
+    }
+#endif
+    thread_local std::vector<float> buffer;
+    buffer.resize(kRows * depth);
     for (int64_t r = item.row_begin; r < item.row_end; r += kRows) {
       const int64_t n = std::min(kRows, item.row_end - r);
       for (int64_t j = 0; j < n; ++j) {
