@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jserve import cpu_kernels
 from jserve.config import ModelConfig, read_hf_config
 from jserve.loader.default_model import default_model_path
 from jserve.loader.expert_tensors import stack_expert_tensors
@@ -46,7 +47,7 @@ class LoadedModel:
     quantization: Quantization = Quantization.NONE  # int8, w8a8: projections, embedding and head hold int8 weights
 
     def save_orbax(self, folder: str | os.PathLike) -> None:
-        if self.quantization.quantized:
+        if self.quantization is not Quantization.NONE:
             raise ValueError("`jserve convert` writes float weights; quantize when loading them instead")
         save_orbax(nnx.merge(self.graphdef, self.params), self.tokenizer, self.dtype, Path(folder))
 
@@ -84,12 +85,14 @@ def load_model(
     quantization = Quantization(quantization)
     target_dtype = resolve_dtype(dtype)
     source = resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
+    if quantization is Quantization.GGUF:
+        check_gguf_blocks(source, mesh, target_dtype)
     start = time.perf_counter()
     if source.kind == "gguf":
         reader = open_gguf(source.path)
         config = gguf_config(reader, source.path).for_context(max_model_len)
         tokenizer = Tokenizer.from_gguf(reader)
-        tensors = iter_gguf_tensors(reader, config, source.path)
+        tensors = iter_gguf_tensors(reader, config, source.path, keep_blocks=quantization is Quantization.GGUF)
         tensors = split_fused_tensors(stack_expert_tensors(tensors, config, source.path.name), config)
         placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total=len(reader.tensors))
@@ -127,7 +130,22 @@ def load_model(
         "Loaded %s model from %s (%s) in %.1fs: %d layers, %.0fM params, %s activations, %s weights (%.0f MB)",
         config.family, source.path, source.kind, time.perf_counter() - start, config.num_layers,
         num_params / 1e6, target_dtype.name,
-        f"int8 ({quantization})" if quantization.quantized else target_dtype.name,
+        f"int8 ({quantization})" if quantization.quantized
+        else "GGUF blocks" if quantization is Quantization.GGUF else target_dtype.name,
         sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
     return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh, quantization)
+
+
+def check_gguf_blocks(source: ModelSource, mesh: Mesh | None, dtype) -> None:
+    """`--quantization gguf` keeps a GGUF file's blocks for jserve's C++ kernel: one CPU device, float32."""
+    problem = (
+        f"{source.path} is not a GGUF file" if source.kind != "gguf"
+        else "it runs on one device (no tensor parallelism)" if mesh is not None
+        else f"it runs on CPUs (this is {jax.default_backend()})" if jax.default_backend() != "cpu"
+        else "its float32 activations need --dtype float32" if dtype != jnp.float32
+        else "jserve's C++ kernels cannot be built here" if not cpu_kernels.available()
+        else None
+    )  # fmt: skip
+    if problem:
+        raise ValueError(f"--quantization gguf keeps a GGUF file's weights in their blocks, but {problem}")

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from jserve.config import ModelConfig
+from jserve.loader.gguf_blocks import GgufBlocks
 
 
 def split_fused_tensors(
@@ -20,13 +21,17 @@ def split_fused_tensors(
         stem, _, kind = name.rpartition(".")
         if stem.endswith("self_attn.qkv_proj"):
             base = stem.removesuffix("qkv_proj")
-            for piece, part in zip(("q_proj", "k_proj", "v_proj"), np.split(array, [q_rows, q_rows + kv_rows]),
+            for piece, part in zip(("q_proj", "k_proj", "v_proj"), _split(array, [q_rows, q_rows + kv_rows]),
                                    strict=True):  # fmt: skip
                 yield f"{base}{piece}.{kind}", part
         elif stem.endswith("mlp.gate_up_proj"):
             base = stem.removesuffix("gate_up_proj")
-            gate, up = np.split(array, 2)
+            gate, up = _split(array, [array.shape[0] // 2])
             yield f"{base}gate_proj.{kind}", gate
             yield f"{base}up_proj.{kind}", up
         else:
             yield name, array
+
+
+def _split(array: np.ndarray | GgufBlocks, bounds: list[int]) -> list:
+    return array.split_rows(bounds) if isinstance(array, GgufBlocks) else np.split(array, bounds)

@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from jserve.config import SUPPORTED_FAMILIES, ModelConfig, RopeScaling, sparse_layers
 from jserve.errors import ModelLoadError
+from jserve.loader.gguf_blocks import GgufBlocks, keeps_blocks
 
 G = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = (
@@ -215,7 +216,11 @@ def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+def iter_gguf_tensors(
+    reader: GGUFReader, config: ModelConfig, path: Path, keep_blocks: bool = False
+) -> Iterator[tuple[str, np.ndarray | GgufBlocks]]:
+    """(Hugging Face name, array) of each tensor, dequantized; with `keep_blocks` the 2-D ones in a format
+    jserve's kernel multiplies stay in blocks (GgufBlocks)."""
     arch = field(reader, "general.architecture")
     llama_layout = arch == "llama"
     for tensor in reader.tensors:
@@ -227,10 +232,19 @@ def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig, path: Path) -> It
                 f"{path}: tensor {tensor.name!r} has unsupported GGUF type {tensor.tensor_type.name}; "
                 f"supported: {', '.join(t.name for t in SUPPORTED_TENSOR_TYPES)}"
             )
-        array = dequantize(tensor.data, tensor.tensor_type)
-        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if keep_blocks and keeps_blocks(tensor.tensor_type, shape):
+            array = GgufBlocks(int(tensor.tensor_type), np.asarray(tensor.data).reshape(shape[0], -1), shape[1])
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if llama_layout and ".self_attn.q_proj." in name:
-            array = unpermute_rows(array, config.num_heads)
+            array = _unpermute(array, config.num_heads)
         elif llama_layout and ".self_attn.k_proj." in name:
-            array = unpermute_rows(array, config.num_kv_heads)
+            array = _unpermute(array, config.num_kv_heads)
         yield name, array
+
+
+def _unpermute(array: np.ndarray | GgufBlocks, num_heads: int) -> np.ndarray | GgufBlocks:
+    if isinstance(array, GgufBlocks):  # whole rows move: their blocks move with them
+        return array.permute_rows(lambda rows: unpermute_rows(rows, num_heads))
+    return unpermute_rows(array, num_heads)

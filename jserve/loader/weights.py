@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from jserve.config import ModelConfig
 from jserve.errors import ModelLoadError
+from jserve.loader.gguf_blocks import GgufBlocks, attach_blocks, fuse_blocks
 from jserve.models import CausalLM
 from jserve.models.fused import fuse
 from jserve.models.fused import split as fused_split
@@ -98,13 +99,13 @@ def checkpoint_tensors(model: CausalLM) -> dict[str, jax.ShapeDtypeStruct | np.n
 
 def assemble(
     placement: WeightPlacement,
-    tensors: Iterable[tuple[str, np.ndarray]],
+    tensors: Iterable[tuple[str, np.ndarray | GgufBlocks]],
     dtype,
     source: str,
     total: int | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) for the placement's config from (name, array) pairs checked against the
-    checkpoint's config; names may carry the HF `model.` prefix."""
+    checkpoint's config; names may carry the HF `model.` prefix. GgufBlocks stay blocks (gguf_blocks.py)."""
     config, parallelism = placement.config, placement.parallelism
     model = abstract_module(config, dtype, parallelism=parallelism)
     # Shapes as the checkpoint has them (tensor-parallel padding may have grown the placed ones).
@@ -114,7 +115,8 @@ def assemble(
         original = model
     expected, pieces = checkpoint_tensors(original), fused_pieces(model)
     loaded: dict[str, jax.Array] = {}
-    waiting: dict[str, list[np.ndarray | None]] = {}  # fused params by name: their pieces so far
+    layouts: dict[str, tuple[tuple[int, int], ...]] = {}  # weights kept in GGUF blocks: their segments
+    waiting: dict[str, list[np.ndarray | GgufBlocks | None]] = {}  # fused params by name: their pieces so far
     for name, array in tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False):
         key = name.removeprefix("model.")
         if key == "lm_head.weight" and config.tie_word_embeddings:
@@ -129,19 +131,32 @@ def assemble(
                 f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                 f"expected {tuple(want.shape)} from the config"
             )
-        array = np.asarray(array, dtype=want.dtype)
+        if isinstance(array, GgufBlocks):
+            if key not in pieces:
+                loaded[key] = placement.put(key, array.data.reshape(-1))
+                layouts[key] = ((array.ggml_type, array.data.shape[0]),)
+                continue
+        else:
+            array = np.asarray(array, dtype=want.dtype)
         if key not in pieces:
             loaded[key] = placement.put(key, array)
             continue
         piece = pieces[key]
         parts = waiting.setdefault(piece.param, [None] * len(piece.widths))
-        parts[piece.index] = replicate_kv_heads(key, array, placement.original, config)
+        parts[piece.index] = (
+            array if isinstance(array, GgufBlocks) else replicate_kv_heads(key, array, placement.original, config)
+        )
         if all(part is not None for part in parts):
-            loaded[piece.param] = placement.put(piece.param, fuse(waiting.pop(piece.param), piece.shards, piece.axis))
+            parts = waiting.pop(piece.param)
+            if (blocks := fuse_blocks(parts)) is not None:
+                loaded[piece.param], layouts[piece.param] = placement.put(piece.param, blocks[0]), blocks[1]
+                continue
+            floats = [p.dequantized().astype(want.dtype) if isinstance(p, GgufBlocks) else p for p in parts]
+            loaded[piece.param] = placement.put(piece.param, fuse(floats, piece.shards, piece.axis))
     if expected:
         missing = sorted(expected)
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{source}: missing tensors {shown}")
     graphdef, abstract = nnx.split(model)
     params = jax.tree_util.tree_map_with_path(lambda path, _: loaded[param_name(path)], abstract)
-    return graphdef, params
+    return attach_blocks(graphdef, params, layouts) if layouts else (graphdef, params)

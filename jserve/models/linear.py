@@ -1,12 +1,15 @@
 """A dense projection holding its weight in the checkpoint's [out, in] layout, so loading never transposes;
 a fused one stacks several checkpoint projections of one input (fused.py).
 Quantized, the weight is int8 with a float32 scale per output feature, in rows or, where jserve's CPU
-kernel runs it, in the kernel's tiles, and activations are quantized in the mode's scheme (quantization.py)."""
+kernel runs it, in the kernel's tiles, and activations are quantized in the mode's scheme (quantization.py).
+Kept from a GGUF file (`--quantization gguf`), the weight is the file's blocks, flat uint8, and `segments`
+says their formats (loader/gguf_blocks.py)."""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve import cpu_kernels
 from jserve.models import fused
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization, int8_matmul
@@ -35,11 +38,15 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((*stack, rows, in_features), jnp.int8 if quantized else dtype))
         self.weight_scale = nnx.Param(jnp.zeros((*stack, rows), jnp.float32)) if quantized else None
         self.bias = nnx.Param(jnp.zeros((rows,), dtype)) if bias else None
+        self.segments: tuple[tuple[int, int], ...] | None = None  # GGUF blocks: (ggml type, rows) per run of rows
 
     def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
         """norm(x), or x, times the weight. Quantized, the CPU kernel applies the norm itself, and skips x's
         rows past `real_rows` (int32 [1]: a step's padding; their outputs are zeros)."""
-        if self.weight_scale is None:
+        if self.segments is not None:
+            norm = None if norm is None else norm.params
+            y = cpu_kernels.gguf_linear(x, self.weight[...], self.segments, real_rows, norm).astype(x.dtype)
+        elif self.weight_scale is None:
             x = x if norm is None else norm(x)
             y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
         else:

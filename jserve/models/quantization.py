@@ -32,10 +32,12 @@ class Quantization(StrEnum):
     NONE = "none"
     INT8 = "int8"  # activations as two int8 digits per row
     W8A8 = "w8a8"  # activations as one int8 digit per GROUP inputs
+    GGUF = "gguf"  # a GGUF file's block-format weights kept as they are (loader/gguf_blocks.py), float activations
 
     @property
     def quantized(self) -> bool:
-        return self is not Quantization.NONE
+        """Whether jserve quantizes the weights to int8 (int8, w8a8)."""
+        return self in (Quantization.INT8, Quantization.W8A8)
 
     @property
     def activation_group(self) -> int:
