@@ -72,6 +72,18 @@ def test_segments_of_different_formats_and_a_norm():
         np.testing.assert_allclose(y, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
 
 
+def test_a_whole_weight_is_dequantized_exactly():
+    rng = np.random.default_rng(3)
+    pieces = [(G.Q4_K, 6), (G.Q6_K, 3), (G.Q4_1, 4)]
+    blocks = [random_blocks(rng, t, rows, 256) for t, rows in pieces]
+    w = jnp.asarray(np.concatenate([b.reshape(-1) for b in blocks]))
+    got = np.asarray(cpu_kernels.gguf_dequantize(w, tuple((int(t), rows) for t, rows in pieces), 256))
+    expected = np.concatenate(
+        [dequantize(b, t).reshape(rows, 256) for b, (t, rows) in zip(blocks, pieces, strict=True)]
+    )
+    np.testing.assert_array_equal(got, expected)
+
+
 def test_unsupported_layouts_are_refused():
     w = jnp.zeros(18 * 3, jnp.uint8)
     x = jnp.zeros((1, 96), jnp.float32)

@@ -38,6 +38,7 @@ TARGETS = {  # XLA name: exported symbol
     "jserve_write_kv": "JserveWriteKv",
     "jserve_gguf_linear": "JserveGgufLinear",
     "jserve_gguf_rows": "JserveGgufRows",
+    "jserve_gguf_dequantize": "JserveGgufDequantize",
 }
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart, without -ffast-math: with it GCC links crtfastmath.o, which switches on flush-to-zero for
@@ -198,6 +199,15 @@ def gguf_linear(
     types, rows = (np.asarray(column, np.int64) for column in zip(*segments, strict=True))
     operands = (x.astype(jnp.float32), real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32), w)
     return call(*operands, eps=np.float32(eps), types=types, rows=rows)
+
+
+def gguf_dequantize(w: jax.Array, segments: tuple[tuple[int, int], ...], depth: int) -> jax.Array:
+    """A weight in GGUF block formats (as gguf_linear takes it) as floats [out, depth]."""
+    load()
+    outputs = sum(rows for _, rows in segments)
+    call = jax.ffi.ffi_call("jserve_gguf_dequantize", jax.ShapeDtypeStruct((outputs, depth), jnp.float32))
+    types, rows = (np.asarray(column, np.int64) for column in zip(*segments, strict=True))
+    return call(w, types=types, rows=rows)
 
 
 def gguf_rows(table: jax.Array, ggml_type: int, depth: int, ids: jax.Array) -> jax.Array:

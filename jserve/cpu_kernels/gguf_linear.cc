@@ -476,6 +476,46 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
   return ffi::Error::Success();
 }
 
+// The whole weight dequantized, [out, depth] floats (for steps of many tokens, which XLA's matmul then
+// multiplies faster than this kernel's buffered rows). Attributes: per segment its type and row count.
+ffi::Error GgufDequantize(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int64_t> types,
+                          ffi::Span<const int64_t> rows) {
+  const auto y_dims = y->dimensions();
+  if (y_dims.size() != 2 || types.size() != rows.size()) {
+    return ffi::Error::InvalidArgument("gguf dequantize: needs a result [out, depth] and a type and row count per "
+                                       "segment");
+  }
+  const int64_t depth = y_dims[1];
+  struct Run {
+    int64_t type, row_bytes, blocks, first_row, offset;
+  };
+  std::vector<Run> runs;
+  int64_t first = 0, offset = 0;
+  for (size_t s = 0; s < types.size(); ++s) {
+    Format format;
+    if (!FormatOf(types[s], &format) || depth % format.block) {
+      return ffi::Error::InvalidArgument("gguf dequantize: unsupported type, or rows not a whole number of blocks");
+    }
+    const int64_t blocks = depth / format.block;
+    for (int64_t r = 0; r < rows[s]; ++r) {
+      runs.push_back({types[s], blocks * format.bytes, blocks, first + r, offset + r * blocks * format.bytes});
+    }
+    first += rows[s];
+    offset += rows[s] * blocks * format.bytes;
+  }
+  if (first != y_dims[0] || offset != static_cast<int64_t>(w.element_count())) {
+    return ffi::Error::InvalidArgument("gguf dequantize: the weight's bytes or the result's rows do not match");
+  }
+  constexpr int64_t kRowsPerItem = 16;
+  jserve::ParallelFor((first + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+    for (int64_t r = item * kRowsPerItem; r < std::min(first, (item + 1) * kRowsPerItem); ++r) {
+      const Run& run = runs[r];
+      DequantizeRow(run.type, w.typed_data() + run.offset, run.blocks, y->typed_data() + run.first_row * depth);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // Rows `ids` of a table in one GGUF type, dequantized: the embedding lookup of a GGUF-native model.
 ffi::Error GgufRows(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y,
                     int64_t type) {
@@ -504,6 +544,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveGgufLinear, GgufLinear,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
+                                  .Attr<ffi::Span<const int64_t>>("types")
+                                  .Attr<ffi::Span<const int64_t>>("rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveGgufDequantize, GgufDequantize,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<ffi::Span<const int64_t>>("types")
                                   .Attr<ffi::Span<const int64_t>>("rows"));
 
