@@ -11,6 +11,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jserve import cpu_kernels
+from jserve.models.gguf_matmul import KERNEL_TOKENS, gguf_matmul
 from jserve.models.norm import rms_norm
 
 G = GGMLQuantizationType
@@ -82,6 +83,20 @@ def test_a_whole_weight_is_dequantized_exactly():
         [dequantize(b, t).reshape(rows, 256) for b, (t, rows) in zip(blocks, pieces, strict=True)]
     )
     np.testing.assert_array_equal(got, expected)
+
+
+def test_large_steps_dequantize_for_xlas_matmul():
+    """Past KERNEL_TOKENS tokens gguf_matmul multiplies the dequantized weight with XLA: the same products
+    (and norm) as the kernel's, up to summation order."""
+    rng = np.random.default_rng(4)
+    w = random_blocks(rng, G.Q4_1, 48, 128)
+    x = jnp.asarray(rng.standard_normal((KERNEL_TOKENS + 40, 128)).astype(np.float32))
+    norm = (jnp.asarray(rng.standard_normal(128).astype(np.float32)), 1e-5)
+    segments = ((int(G.Q4_1), 48),)
+    flat = jnp.asarray(w.reshape(-1))
+    got = np.asarray(gguf_matmul(x, flat, segments, norm=norm))
+    expected = np.asarray(cpu_kernels.gguf_linear(x, flat, segments, norm=norm))
+    np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
 
 
 def test_unsupported_layouts_are_refused():

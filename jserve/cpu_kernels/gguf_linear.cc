@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <vector>
 
 #include "parallel.h"
@@ -388,6 +389,27 @@ void MultiplyRows(const float* w, int64_t n, const float* x, int64_t depth, int6
 #endif
 }
 
+// A weight's runs of rows, each in one format: where its rows and bytes start.
+struct Segment {
+  int64_t type, rows, row_bytes, blocks, first_row, offset;
+};
+
+// The segments of a weight of rows `depth` weights long from the `types` and `rows` attributes, with the
+// total rows and bytes; false if a type is unknown or its blocks do not tile `depth`.
+bool ParseSegments(ffi::Span<const int64_t> types, ffi::Span<const int64_t> rows, int64_t depth,
+                   std::vector<Segment>* segments, int64_t* outputs, int64_t* bytes) {
+  *outputs = *bytes = 0;
+  for (size_t s = 0; s < types.size(); ++s) {
+    Format format;
+    if (!FormatOf(types[s], &format) || depth % format.block) return false;
+    const int64_t blocks = depth / format.block;
+    segments->push_back({types[s], rows[s], blocks * format.bytes, blocks, *outputs, *bytes});
+    *outputs += rows[s];
+    *bytes += rows[s] * blocks * format.bytes;
+  }
+  return true;
+}
+
 // y = norm(x) · wᵀ. Arguments x, the number of x's leading rows that are real (the rest is a step's padding:
 // its outputs are zeros), the RMSNorm weight applied to x first (or none: [0]), the weight's bytes; the
 // result y. Attributes: eps, and per segment of rows its ggml type and row count.
@@ -401,22 +423,12 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
                                        "[in] or [0], the weight's bytes, and a type and row count per segment");
   }
   const int64_t count = x_dims[0], depth = x_dims[1];
-  struct Segment {
-    int64_t type, rows, row_bytes, blocks, first_row, offset;
-  };
   std::vector<Segment> segments;
-  int64_t outputs = 0, offset = 0;
-  for (size_t s = 0; s < types.size(); ++s) {
-    Format format;
-    if (!FormatOf(types[s], &format) || depth % format.block) {
-      return ffi::Error::InvalidArgument("gguf linear: unsupported type, or inputs not a whole number of blocks");
-    }
-    const int64_t blocks = depth / format.block;
-    segments.push_back({types[s], rows[s], blocks * format.bytes, blocks, outputs, offset});
-    outputs += rows[s];
-    offset += rows[s] * blocks * format.bytes;
+  int64_t outputs, bytes;
+  if (!ParseSegments(types, rows, depth, &segments, &outputs, &bytes)) {
+    return ffi::Error::InvalidArgument("gguf linear: unsupported type, or inputs not a whole number of blocks");
   }
-  if (offset != static_cast<int64_t>(w.element_count()) || y->element_count() != count * outputs) {
+  if (bytes != static_cast<int64_t>(w.element_count()) || y->element_count() != count * outputs) {
     return ffi::Error::InvalidArgument("gguf linear: the weight's bytes or the result's size do not match");
   }
   const int64_t tokens = std::clamp<int64_t>(real_rows.typed_data()[0], 0, count);
@@ -447,7 +459,7 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
       items.push_back({static_cast<int64_t>(s), r, std::min(segments[s].rows, r + per_item)});
     }
   }
-  const uint8_t* bytes = w.typed_data();
+  const uint8_t* weight = w.typed_data();
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
     const Segment& segment = segments[item.segment];
@@ -456,7 +468,7 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
     if (fused != nullptr) {  // a few tokens: no buffer
       const int64_t step = kFusedRows[tokens];
       for (int64_t r = item.row_begin; r < item.row_end; r += step) {
-        fused[tokens](bytes + segment.offset + r * segment.row_bytes, segment.row_bytes,
+        fused[tokens](weight + segment.offset + r * segment.row_bytes, segment.row_bytes,
                       std::min(step, item.row_end - r), xs, depth, 0, outputs, segment.first_row + r, out);
       }
       return;
@@ -467,7 +479,7 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
     for (int64_t r = item.row_begin; r < item.row_end; r += kRows) {
       const int64_t n = std::min(kRows, item.row_end - r);
       for (int64_t j = 0; j < n; ++j) {
-        const uint8_t* row = bytes + segment.offset + (r + j) * segment.row_bytes;
+        const uint8_t* row = weight + segment.offset + (r + j) * segment.row_bytes;
         DequantizeRow(segment.type, row, segment.blocks, buffer.data() + j * depth);
       }
       MultiplyRows(buffer.data(), n, xs, depth, 0, tokens, outputs, segment.first_row + r, out);
@@ -486,31 +498,21 @@ ffi::Error GgufDequantize(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
                                        "segment");
   }
   const int64_t depth = y_dims[1];
-  struct Run {
-    int64_t type, row_bytes, blocks, first_row, offset;
-  };
-  std::vector<Run> runs;
-  int64_t first = 0, offset = 0;
-  for (size_t s = 0; s < types.size(); ++s) {
-    Format format;
-    if (!FormatOf(types[s], &format) || depth % format.block) {
-      return ffi::Error::InvalidArgument("gguf dequantize: unsupported type, or rows not a whole number of blocks");
-    }
-    const int64_t blocks = depth / format.block;
-    for (int64_t r = 0; r < rows[s]; ++r) {
-      runs.push_back({types[s], blocks * format.bytes, blocks, first + r, offset + r * blocks * format.bytes});
-    }
-    first += rows[s];
-    offset += rows[s] * blocks * format.bytes;
+  std::vector<Segment> segments;
+  int64_t outputs, bytes;
+  if (!ParseSegments(types, rows, depth, &segments, &outputs, &bytes)) {
+    return ffi::Error::InvalidArgument("gguf dequantize: unsupported type, or rows not a whole number of blocks");
   }
-  if (first != y_dims[0] || offset != static_cast<int64_t>(w.element_count())) {
+  if (outputs != y_dims[0] || bytes != static_cast<int64_t>(w.element_count())) {
     return ffi::Error::InvalidArgument("gguf dequantize: the weight's bytes or the result's rows do not match");
   }
   constexpr int64_t kRowsPerItem = 16;
-  jserve::ParallelFor((first + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
-    for (int64_t r = item * kRowsPerItem; r < std::min(first, (item + 1) * kRowsPerItem); ++r) {
-      const Run& run = runs[r];
-      DequantizeRow(run.type, w.typed_data() + run.offset, run.blocks, y->typed_data() + run.first_row * depth);
+  jserve::ParallelFor((outputs + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+    for (int64_t r = item * kRowsPerItem; r < std::min(outputs, (item + 1) * kRowsPerItem); ++r) {
+      const Segment& segment = *std::prev(std::upper_bound(
+          segments.begin(), segments.end(), r, [](int64_t row, const Segment& s) { return row < s.first_row; }));
+      const uint8_t* row = w.typed_data() + segment.offset + (r - segment.first_row) * segment.row_bytes;
+      DequantizeRow(segment.type, row, segment.blocks, y->typed_data() + r * depth);
     }
   });
   return ffi::Error::Success();
