@@ -231,17 +231,12 @@ def moe_fields(config: dict[str, Any], family: str, num_layers: int) -> dict[str
     experts = config.get("num_local_experts", config.get("num_experts"))
     if experts is None:
         raise KeyError("num_local_experts")
+    fields = dict(num_experts=experts, num_experts_per_tok=config["num_experts_per_tok"])
     if family == "mixtral":  # every layer, experts as wide as the intermediate size, top-k renormalized
-        return dict(
-            num_experts=experts,
-            num_experts_per_tok=config["num_experts_per_tok"],
-            moe_intermediate_size=config["intermediate_size"],
-        )
+        return fields | dict(moe_intermediate_size=config["intermediate_size"])
     # Qwen3-MoE: every decoder_sparse_step-th layer not listed in mlp_only_layers
     step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or ())
-    return dict(
-        num_experts=experts,
-        num_experts_per_tok=config["num_experts_per_tok"],
+    return fields | dict(
         moe_intermediate_size=config["moe_intermediate_size"],
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         moe_layers=sparse_layers([i not in dense and (i + 1) % step == 0 for i in range(num_layers)]),

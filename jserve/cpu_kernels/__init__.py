@@ -194,20 +194,24 @@ def gguf_linear(
     if real_rows is None:
         real_rows = jnp.full((1,), x.shape[0], jnp.int32)
     norm_weight, eps = norm if norm is not None else (jnp.zeros((0,), jnp.float32), 0.0)
-    outputs = sum(rows for _, rows in segments)
+    outputs, layout = _segments(segments)
     call = jax.ffi.ffi_call("jserve_gguf_linear", jax.ShapeDtypeStruct((x.shape[0], outputs), jnp.float32))
-    types, rows = (np.asarray(column, np.int64) for column in zip(*segments, strict=True))
     operands = (x.astype(jnp.float32), real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32), w)
-    return call(*operands, eps=np.float32(eps), types=types, rows=rows)
+    return call(*operands, eps=np.float32(eps), **layout)
 
 
 def gguf_dequantize(w: jax.Array, segments: tuple[tuple[int, int], ...], depth: int) -> jax.Array:
     """A weight in GGUF block formats (as gguf_linear takes it) as floats [out, depth]."""
     load()
-    outputs = sum(rows for _, rows in segments)
+    outputs, layout = _segments(segments)
     call = jax.ffi.ffi_call("jserve_gguf_dequantize", jax.ShapeDtypeStruct((outputs, depth), jnp.float32))
+    return call(w, **layout)
+
+
+def _segments(segments: tuple[tuple[int, int], ...]) -> tuple[int, dict[str, np.ndarray]]:
+    """A block weight's rows, and its segments as the kernels' `types` and `rows` attributes."""
     types, rows = (np.asarray(column, np.int64) for column in zip(*segments, strict=True))
-    return call(w, types=types, rows=rows)
+    return int(rows.sum()), {"types": types, "rows": rows}
 
 
 def gguf_rows(table: jax.Array, ggml_type: int, depth: int, ids: jax.Array) -> jax.Array:

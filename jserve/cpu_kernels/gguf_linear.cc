@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "row_norm.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -88,7 +89,7 @@ void ScaleMin(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
 #if JSERVE_AVX512
 // The float steps with explicit rounding, so that -ffast-math fuses nothing: each weight is the product
 // and sum gguf-py computes, bit for bit.
-constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+using jserve::kNearest;
 __m512 Mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, kNearest); }
 __m512 Add(__m512 a, __m512 b) { return _mm512_add_round_ps(a, b, kNearest); }
 __m512 Sub(__m512 a, __m512 b) { return _mm512_sub_round_ps(a, b, kNearest); }
@@ -169,11 +170,11 @@ bool DequantizeRowVectors(int64_t type, const uint8_t* in, int64_t blocks, float
   }
 }
 
-// y[t0 + t, o + r] for kRowsN rows (bytes `rows`, `row_bytes` apart) and kTokensN tokens of x: each 32
+// y[t, o + r] for kRowsN rows (bytes `rows`, `row_bytes` apart) and kTokensN tokens of x: each 32
 // weights are dequantized in registers and meet every token at once (two accumulator chains per pair, so
 // the FMAs' latency overlaps). For steps of a few tokens, where a buffer would cost more than it saves.
 template <int64_t kType, int kRowsN, int kTokensN>
-void FusedRows(const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x, int64_t depth, int64_t t0,
+void FusedRows(const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x, int64_t depth,
                int64_t outputs, int64_t o, float* y) {
   __m512 acc[kRowsN][kTokensN][2];
 #pragma GCC unroll 8
@@ -184,8 +185,8 @@ void FusedRows(const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x
     __m512 xv[kTokensN][2];
 #pragma GCC unroll 4
     for (int t = 0; t < kTokensN; ++t) {
-      xv[t][0] = _mm512_loadu_ps(x + (t0 + t) * depth + 32 * i);
-      xv[t][1] = _mm512_loadu_ps(x + (t0 + t) * depth + 32 * i + 16);
+      xv[t][0] = _mm512_loadu_ps(x + t * depth + 32 * i);
+      xv[t][1] = _mm512_loadu_ps(x + t * depth + 32 * i + 16);
     }
 #pragma GCC unroll 8
     for (int r = 0; r < kRowsN; ++r) {
@@ -201,11 +202,11 @@ void FusedRows(const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x
   }
   for (int r = 0; r < n; ++r)
     for (int t = 0; t < kTokensN; ++t) {
-      y[(t0 + t) * outputs + o + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
+      y[t * outputs + o + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
     }
 }
 
-using FusedFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+using FusedFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
 constexpr int kFusedRows[5] = {0, 4, 4, 2, 2};  // rows per call by token count: ≤ 16 accumulators
 
 template <int64_t kType>
@@ -348,25 +349,17 @@ constexpr int64_t kTokens = 4;   // tokens per pass over the buffered rows: kRow
 constexpr int64_t kRowsPerNorm = 8;
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;  // multiply-adds per work item
 
-// RMSNorm of x[0, depth) into `normed`, as norm.py computes it (float32, mean of squares, rsqrt).
-void NormalizeRow(const float* x, int64_t depth, const float* norm, float eps, float* normed) {
-  float squares = 0.0f;
-  for (int64_t k = 0; k < depth; ++k) squares += x[k] * x[k];
-  const float r = 1.0f / std::sqrt(squares / static_cast<float>(depth) + eps);
-  for (int64_t k = 0; k < depth; ++k) normed[k] = norm[k] * (x[k] * r);
-}
-
-// y[t, o + r] for r < n rows of `w` (floats [n, depth]) and tokens [t0, t1) of x.
-void MultiplyRows(const float* w, int64_t n, const float* x, int64_t depth, int64_t t0, int64_t t1, int64_t outputs,
+// y[t, o + r] for r < n rows of `w` (floats [n, depth]) and the first `count` tokens of x.
+void MultiplyRows(const float* w, int64_t n, const float* x, int64_t depth, int64_t count, int64_t outputs,
                   int64_t o, float* y) {
 #if JSERVE_AVX512
-  for (int64_t t = t0; t < t1; t += kTokens) {
-    const int64_t tokens = std::min(kTokens, t1 - t);
+  for (int64_t t = 0; t < count; t += kTokens) {
+    const int64_t tokens = std::min(kTokens, count - t);
     __m512 acc[kRows][kTokens];
     for (int r = 0; r < kRows; ++r)
       for (int i = 0; i < kTokens; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < depth; k += 16) {
-      const __mmask16 m = depth - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (depth - k)) - 1);
+      const __mmask16 m = jserve::Lanes(depth - k);
       __m512 xv[kTokens];
       for (int i = 0; i < kTokens; ++i) {
         xv[i] = i < tokens ? _mm512_maskz_loadu_ps(m, x + (t + i) * depth + k) : _mm512_setzero_ps();
@@ -380,7 +373,7 @@ void MultiplyRows(const float* w, int64_t n, const float* x, int64_t depth, int6
       for (int i = 0; i < tokens; ++i) y[(t + i) * outputs + o + r] = _mm512_reduce_add_ps(acc[r][i]);
   }
 #else
-  for (int64_t t = t0; t < t1; ++t)
+  for (int64_t t = 0; t < count; ++t)
     for (int64_t r = 0; r < n; ++r) {
       float sum = 0.0f;
       for (int64_t k = 0; k < depth; ++k) sum += w[r * depth + k] * x[t * depth + k];
@@ -443,7 +436,7 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
     const int64_t items = (tokens + kRowsPerNorm - 1) / kRowsPerNorm;
     jserve::ParallelFor(items, [&](int64_t item) {
       for (int64_t t = item * kRowsPerNorm; t < std::min(tokens, (item + 1) * kRowsPerNorm); ++t) {
-        NormalizeRow(xs + t * depth, depth, norm.typed_data(), eps, normed.data() + t * depth);
+        jserve::NormalizeRow(xs + t * depth, depth, norm.typed_data(), eps, normed.data() + t * depth);
       }
     });
     xs = normed.data();
@@ -469,7 +462,7 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
       const int64_t step = kFusedRows[tokens];
       for (int64_t r = item.row_begin; r < item.row_end; r += step) {
         fused[tokens](weight + segment.offset + r * segment.row_bytes, segment.row_bytes,
-                      std::min(step, item.row_end - r), xs, depth, 0, outputs, segment.first_row + r, out);
+                      std::min(step, item.row_end - r), xs, depth, outputs, segment.first_row + r, out);
       }
       return;
     }
@@ -482,7 +475,7 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
         const uint8_t* row = weight + segment.offset + (r + j) * segment.row_bytes;
         DequantizeRow(segment.type, row, segment.blocks, buffer.data() + j * depth);
       }
-      MultiplyRows(buffer.data(), n, xs, depth, 0, tokens, outputs, segment.first_row + r, out);
+      MultiplyRows(buffer.data(), n, xs, depth, tokens, outputs, segment.first_row + r, out);
     }
   });
   return ffi::Error::Success();

@@ -131,21 +131,17 @@ def assemble(
                 f"{source}: tensor {name!r} has shape {tuple(array.shape)}, "
                 f"expected {tuple(want.shape)} from the config"
             )
-        if isinstance(array, GgufBlocks):
-            if key not in pieces:
-                loaded[key] = placement.put(key, array.data.reshape(-1))
-                layouts[key] = ((array.ggml_type, array.data.shape[0]),)
-                continue
-        else:
+        if not isinstance(array, GgufBlocks):
             array = np.asarray(array, dtype=want.dtype)
         if key not in pieces:
+            if isinstance(array, GgufBlocks):  # one piece: its bytes, one segment
+                array, layouts[key] = fuse_blocks([array])
             loaded[key] = placement.put(key, array)
             continue
         piece = pieces[key]
         parts = waiting.setdefault(piece.param, [None] * len(piece.widths))
-        parts[piece.index] = (
-            array if isinstance(array, GgufBlocks) else replicate_kv_heads(key, array, placement.original, config)
-        )
+        # (blocks load on one device only, where no KV head is replicated)
+        parts[piece.index] = replicate_kv_heads(key, array, placement.original, config)
         if all(part is not None for part in parts):
             parts = waiting.pop(piece.param)
             if (blocks := fuse_blocks(parts)) is not None:

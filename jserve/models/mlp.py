@@ -20,5 +20,9 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
         """mlp(norm(x)), or mlp(x); `real_rows` (int32 [1]): x's rows past it are padding (see Linear.__call__)."""
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x, real_rows, norm))
-        active = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return self.down_proj(active * up, real_rows)
+        return self.down_proj(gated(gate, up, self.gelu), real_rows)
+
+
+def gated(gate: jax.Array, up: jax.Array, gelu: bool) -> jax.Array:
+    """act(gate) * up: SiLU, or tanh-approximated GELU (Gemma), the act of every gated MLP (dense or expert)."""
+    return (jax.nn.gelu(gate, approximate=True) if gelu else jax.nn.silu(gate)) * up

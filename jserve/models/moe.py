@@ -21,6 +21,7 @@ from jserve.config import ModelConfig
 from jserve.models import fused
 from jserve.models.grouped_matmul import grouped_matmul
 from jserve.models.linear import Linear
+from jserve.models.mlp import gated
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 from jserve.parallel import MODEL_AXIS, Parallelism, expert_spec
@@ -52,8 +53,7 @@ class Experts(nnx.Module):
     def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """The gated MLP of each row's expert ([R, hidden] sorted by expert; rows past the groups give zeros)."""
         gate, up = self.gate_up_proj.split_local(self.gate_up_proj(rows, group_sizes))
-        active = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return self.down_proj(active * up, group_sizes)
+        return self.down_proj(gated(gate, up, self.gelu), group_sizes)
 
 
 class SparseMoE(nnx.Module):
