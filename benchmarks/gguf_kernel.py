@@ -22,6 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jserve import cpu_kernels
+from jserve.loader.gguf_blocks import GgufBlocks, fuse_blocks
 from jserve.models.quantization import int8_matmul, quantize_rows, tile, tiles_weights
 
 G = GGMLQuantizationType
@@ -30,17 +31,19 @@ SHAPES = {
     "smollm2-135m": [(576 + 2 * 192, 576), (2 * 1536, 576), (576, 1536)],
     "llama3-8b": [(2 * 14336, 4096), (4096, 14336)],
 }
-FORMATS = {"q4_1": G.Q4_1, "q8_0": G.Q8_0, "q4_k": G.Q4_K, "q6_k": G.Q6_K}
-SCALE_OFFSETS = {G.Q4_1: [0, 2], G.Q8_0: [0], G.Q4_K: [0, 2], G.Q6_K: [208]}
+FORMATS = {"q4_0": G.Q4_0, "q4_1": G.Q4_1, "q8_0": G.Q8_0, "q4_k": G.Q4_K, "q6_k": G.Q6_K}
+SCALE_OFFSETS = {G.Q4_0: [0], G.Q4_1: [0, 2], G.Q8_0: [0], G.Q4_K: [0, 2], G.Q6_K: [208]}
 
 
-def random_blocks(rng, ggml_type, rows: int, depth: int) -> jax.Array:
+def random_blocks(rng, ggml_type, rows: int, depth: int) -> tuple[jax.Array, tuple]:
+    """A weight of random blocks in the kernel's layout, and its segments."""
     block, size = GGML_QUANT_SIZES[ggml_type]
     raw = rng.integers(0, 256, (rows, depth // block, size), dtype=np.uint8)
     for at in SCALE_OFFSETS[ggml_type]:
         scales = (rng.standard_normal((rows, depth // block)) * 0.01).astype(np.float16)
         raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, depth // block, 2)
-    return jnp.asarray(raw.reshape(-1))
+    flat, segments = fuse_blocks([GgufBlocks(int(ggml_type), raw.reshape(rows, -1), depth)])
+    return jnp.asarray(flat), segments
 
 
 def median_ms(fn, *args, repeats: int) -> float:
@@ -76,10 +79,8 @@ def main() -> None:
             "float32": (jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))), weight),
             "int8": (jax.jit(lambda x, w, s=scale: int8_matmul(x, w, s)), tiled),
         }
-        for name, t in FORMATS.items():
-            if name in kinds:
-                gguf = partial(cpu_kernels.gguf_linear, segments=((int(t), outputs),))
-                calls[name] = (jax.jit(gguf), blocks[name])
+        for name, (w, segments) in blocks.items():
+            calls[name] = (jax.jit(partial(cpu_kernels.gguf_linear, segments=segments)), w)
         for n in args.tokens:
             x = jnp.asarray(rng.standard_normal((n, depth)).astype(np.float32))
             for kind in kinds:

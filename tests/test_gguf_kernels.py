@@ -11,6 +11,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jserve import cpu_kernels
+from jserve.cpu_kernels.gguf_tiles import tiled
+from jserve.loader.gguf_blocks import GgufBlocks, fuse_blocks
 from jserve.models.gguf_matmul import KERNEL_TOKENS, gguf_matmul
 from jserve.models.norm import rms_norm
 
@@ -19,6 +21,7 @@ G = GGMLQuantizationType
 HALF_OFFSETS = {G.Q4_0: [0], G.Q4_1: [0, 2], G.Q5_0: [0], G.Q5_1: [0, 2], G.Q8_0: [0], G.Q4_K: [0, 2],
                 G.Q5_K: [0, 2], G.Q6_K: [208]}  # fmt: skip
 
+DIGIT_RANGE = 127 * 2**14  # the tiled formats' |v| for a block's largest input (gguf_tiles.h)
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C++ compiler to build jserve's kernels")
 
 
@@ -32,17 +35,48 @@ def random_blocks(rng, ggml_type, rows: int, depth: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def kernel_weight(pieces: list[tuple[int, np.ndarray]], depth: int) -> tuple[jnp.ndarray, tuple]:
+    """Pieces (type, [rows, bytes]) as the loader hands them to the kernel: flat bytes and segments."""
+    flat, segments = fuse_blocks([GgufBlocks(int(t), rows, depth) for t, rows in pieces])
+    return jnp.asarray(flat), segments
+
+
+def digit_product(x: np.ndarray, w: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray]:
+    """What the tiled formats compute, in float64: per 32 inputs v = round(x · R / max|x|) (x ≈ s·v),
+    times the exact weights; and the bound on its distance from x · wᵀ (Σ |w| · s / 2 per block)."""
+    dense = dequantize(w, ggml_type).reshape(w.shape[0], -1).astype(np.float64)
+    # Q4_0's −8·d and Q4_1's m multiply the exact Σx; only d·q meets v.
+    head = w.reshape(w.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])[..., :4].copy()
+    d, m = (head[..., at : at + 2].view(np.float16)[..., 0].astype(np.float64) for at in (0, 2))
+    offset = {G.Q4_0: -8 * d, G.Q4_1: m}.get(ggml_type, np.zeros_like(d))
+    scaled = dense - np.repeat(offset, 32, axis=1)
+    blocks = x.reshape(x.shape[0], -1, 32)
+    top = np.abs(blocks).max(-1, keepdims=True)
+    inverse = np.where(top == 0, np.float32(0), np.float32(DIGIT_RANGE) / np.where(top == 0, 1, top)).astype(np.float32)
+    v = np.rint(blocks * inverse)  # float32 products, rounded half to even, as the kernel's
+    approx = (v * (top.astype(np.float64) / DIGIT_RANGE)).reshape(x.shape)
+    bound = np.abs(scaled).reshape(1, w.shape[0], -1, 32).sum(-1) * (top / DIGIT_RANGE / 2).reshape(x.shape[0], 1, -1)
+    return approx @ scaled.T + x.astype(np.float64) @ (dense - scaled).T, bound.sum(-1)
+
+
 @pytest.mark.parametrize("ggml_type", list(HALF_OFFSETS), ids=lambda t: t.name)
 def test_matmul_equals_the_dequantized_weight(ggml_type):
+    """Row formats: the float product up to summation order. Tiled formats: the integer digits' product
+    (its only approximation, x's v), within its bound of the float product."""
     rng = np.random.default_rng(int(ggml_type))
     depth, rows = 512, 40
     w = random_blocks(rng, ggml_type, rows, depth)
     dense = dequantize(w, ggml_type).reshape(rows, depth)
     x = rng.standard_normal((9, depth)).astype(np.float32)
-    y = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), jnp.asarray(w.reshape(-1)), ((int(ggml_type), rows),),
-                                           jnp.array([7], jnp.int32)))  # fmt: skip
+    flat, segments = kernel_weight([(ggml_type, w)], depth)
+    y = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments, jnp.array([7], jnp.int32)))
     expected = x[:7].astype(np.float64) @ dense.T.astype(np.float64)
-    np.testing.assert_allclose(y[:7], expected, atol=1e-6 * np.abs(expected).max(), rtol=0)
+    if tiled(ggml_type):
+        digits, bound = digit_product(x[:7], w, ggml_type)
+        np.testing.assert_allclose(y[:7], digits, atol=1e-6 * np.abs(expected).max(), rtol=0)
+        assert (np.abs(y[:7] - expected) <= bound + 1e-6 * np.abs(expected).max()).all()
+    else:
+        np.testing.assert_allclose(y[:7], expected, atol=1e-6 * np.abs(expected).max(), rtol=0)
     assert not y[7:].any(), "padding rows come back as zeros"
 
 
@@ -51,7 +85,8 @@ def test_rows_are_dequantized_exactly(ggml_type):
     rng = np.random.default_rng(1)
     table = random_blocks(rng, ggml_type, 30, 256)
     ids = np.array([3, 0, 29, 3])
-    got = np.asarray(cpu_kernels.gguf_rows(jnp.asarray(table.reshape(-1)), int(ggml_type), 256, jnp.asarray(ids)))
+    flat, _ = kernel_weight([(ggml_type, table)], 256)
+    got = np.asarray(cpu_kernels.gguf_rows(flat, int(ggml_type), 256, jnp.asarray(ids)))
     np.testing.assert_array_equal(got, dequantize(table, ggml_type).reshape(30, 256)[ids])
 
 
@@ -63,9 +98,8 @@ def test_segments_of_different_formats_and_a_norm():
     pieces = [(G.Q4_K, 24), (G.Q6_K, 8), (G.Q8_0, 5)]
     blocks = [random_blocks(rng, t, rows, depth) for t, rows in pieces]
     dense = np.concatenate([dequantize(b, t).reshape(rows, depth) for b, (t, rows) in zip(blocks, pieces, strict=True)])
-    w = jnp.asarray(np.concatenate([b.reshape(-1) for b in blocks]))
+    w, segments = kernel_weight([(t, b) for b, (t, _) in zip(blocks, pieces, strict=True)], depth)
     norm_weight = jnp.asarray(rng.standard_normal(depth).astype(np.float32))
-    segments = tuple((int(t), rows) for t, rows in pieces)
     for tokens in (1, 3, 4, 17):
         x = jnp.asarray(rng.standard_normal((tokens, depth)).astype(np.float32))
         y = np.asarray(cpu_kernels.gguf_linear(x, w, segments, norm=(norm_weight, 1e-5)))
@@ -77,26 +111,31 @@ def test_a_whole_weight_is_dequantized_exactly():
     rng = np.random.default_rng(3)
     pieces = [(G.Q4_K, 6), (G.Q6_K, 3), (G.Q4_1, 4)]
     blocks = [random_blocks(rng, t, rows, 256) for t, rows in pieces]
-    w = jnp.asarray(np.concatenate([b.reshape(-1) for b in blocks]))
-    got = np.asarray(cpu_kernels.gguf_dequantize(w, tuple((int(t), rows) for t, rows in pieces), 256))
+    w, segments = kernel_weight([(t, b) for b, (t, _) in zip(blocks, pieces, strict=True)], 256)
+    got = np.asarray(cpu_kernels.gguf_dequantize(w, segments, 256))
     expected = np.concatenate(
         [dequantize(b, t).reshape(rows, 256) for b, (t, rows) in zip(blocks, pieces, strict=True)]
     )
     np.testing.assert_array_equal(got, expected)
 
 
-def test_large_steps_dequantize_for_xlas_matmul():
-    """Past KERNEL_TOKENS tokens gguf_matmul multiplies the dequantized weight with XLA: the same products
-    (and norm) as the kernel's, up to summation order."""
+@pytest.mark.parametrize("ggml_type", [G.Q4_K, G.Q4_1], ids=lambda t: t.name)
+def test_large_steps(ggml_type):
+    """Past KERNEL_TOKENS tokens gguf_matmul multiplies a row format's dequantized weight with XLA (the same
+    products and norm as the kernel's, up to summation order); tiled formats stay in the kernel, so a
+    token's result does not depend on its step's size."""
     rng = np.random.default_rng(4)
-    w = random_blocks(rng, G.Q4_1, 48, 128)
-    x = jnp.asarray(rng.standard_normal((KERNEL_TOKENS + 40, 128)).astype(np.float32))
-    norm = (jnp.asarray(rng.standard_normal(128).astype(np.float32)), 1e-5)
-    segments = ((int(G.Q4_1), 48),)
-    flat = jnp.asarray(w.reshape(-1))
+    w = random_blocks(rng, ggml_type, 48, 256)
+    x = jnp.asarray(rng.standard_normal((KERNEL_TOKENS + 40, 256)).astype(np.float32))
+    norm = (jnp.asarray(rng.standard_normal(256).astype(np.float32)), 1e-5)
+    flat, segments = kernel_weight([(ggml_type, w)], 256)
     got = np.asarray(gguf_matmul(x, flat, segments, norm=norm))
     expected = np.asarray(cpu_kernels.gguf_linear(x, flat, segments, norm=norm))
-    np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+    if tiled(ggml_type):
+        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(got[:3], np.asarray(gguf_matmul(x[:3], flat, segments, norm=norm)))
+    else:
+        np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
 
 
 def test_unsupported_layouts_are_refused():

@@ -1,6 +1,7 @@
 """`--quantization gguf`: a GGUF file's weights kept in their block formats, multiplied by jserve's C++
-kernel, against the same file dequantized to float32 (the exact path): same weights, so the same logits up
-to summation order and the same greedy tokens."""
+kernel, against the same file dequantized to float32 (the exact path): same weights, and activations exact
+to 2⁻²² of each 32 inputs' largest, so logits within 1e-3 (SmolLM2 measured 1.9e-4) and the same greedy
+tokens."""
 
 import gguf
 import jax
@@ -68,7 +69,7 @@ def test_tiny_gguf_blocks_give_the_dequantized_logits_and_tokens(tmp_path, varia
     native = load_model(tmp_path / "model.gguf", "float32", quantization="gguf")
     assert len(block_weights(native)) == 1 + 2 * 4 + (not native.config.tie_word_embeddings)
     ids = prompts(1, seed=4, low=30, high=31)[0]
-    np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-4)
+    np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-3)
     batch = prompts(4, seed=5, low=5, high=60)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = {}

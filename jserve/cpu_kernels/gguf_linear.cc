@@ -18,6 +18,7 @@
 #include <iterator>
 #include <vector>
 
+#include "gguf_tiles.h"
 #include "parallel.h"
 #include "row_norm.h"
 #include "xla/ffi/api/ffi.h"
@@ -213,12 +214,9 @@ template <int64_t kType>
 constexpr FusedFn kFused[5] = {nullptr, FusedRows<kType, 4, 1>, FusedRows<kType, 4, 2>, FusedRows<kType, 2, 3>,
                                FusedRows<kType, 2, 4>};
 
-// The fused kernels of a format, or null where it has none.
+// The fused kernels of a format, or null where it has none (the tiled formats take gguf_tiles.cc's).
 const FusedFn* FusedFor(int64_t type) {
   switch (type) {
-    case kQ4_0: return kFused<kQ4_0>;
-    case kQ4_1: return kFused<kQ4_1>;
-    case kQ8_0: return kFused<kQ8_0>;
     case kQ4_K: return kFused<kQ4_K>;
     case kQ6_K: return kFused<kQ6_K>;
     default: return nullptr;
@@ -347,6 +345,7 @@ void DequantizeRow(int64_t type, const uint8_t* in, int64_t blocks, float* out) 
 constexpr int64_t kRows = 4;     // output rows dequantized together (a work item holds several groups)
 constexpr int64_t kTokens = 4;   // tokens per pass over the buffered rows: kRows × kTokens accumulators
 constexpr int64_t kRowsPerNorm = 8;
+constexpr int64_t kTokenTile = 64;  // tokens per work item of a tiled segment: their digits stay in L2
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;  // multiply-adds per work item
 
 // y[t, o + r] for r < n rows of `w` (floats [n, depth]) and the first `count` tokens of x.
@@ -382,6 +381,16 @@ void MultiplyRows(const float* w, int64_t n, const float* x, int64_t depth, int6
 #endif
 }
 
+// use(bytes of row `row`, in ggml's block layout) for a run of rows in `type` starting at `rows`.
+template <typename Use>
+void RowBytes(int64_t type, const uint8_t* rows, int64_t row, int64_t blocks, int64_t row_bytes, const Use& use) {
+  if (!jserve::gguf::Tiled(type)) return use(rows + row * row_bytes);
+  thread_local std::vector<uint8_t> bytes;
+  bytes.resize(row_bytes);
+  jserve::gguf::UntileRow(type, rows, row, blocks, bytes.data());
+  use(bytes.data());
+}
+
 // A weight's runs of rows, each in one format: where its rows and bytes start.
 struct Segment {
   int64_t type, rows, row_bytes, blocks, first_row, offset;
@@ -398,7 +407,7 @@ bool ParseSegments(ffi::Span<const int64_t> types, ffi::Span<const int64_t> rows
     const int64_t blocks = depth / format.block;
     segments->push_back({types[s], rows[s], blocks * format.bytes, blocks, *outputs, *bytes});
     *outputs += rows[s];
-    *bytes += rows[s] * blocks * format.bytes;
+    *bytes += jserve::gguf::SegmentBytes(types[s], rows[s], blocks * format.bytes);
   }
   return true;
 }
@@ -429,33 +438,54 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
   std::fill(out + tokens * outputs, out + count * outputs, 0.0f);
   if (tokens == 0) return ffi::Error::Success();
 
-  const float* xs = x.typed_data();
-  std::vector<float> normed;
-  if (norm.element_count()) {
-    normed.resize(tokens * depth);
-    const int64_t items = (tokens + kRowsPerNorm - 1) / kRowsPerNorm;
-    jserve::ParallelFor(items, [&](int64_t item) {
+  // The inputs, normalized if asked, and for tiled segments as integer digits (gguf_tiles.h).
+  const bool tiled = std::any_of(segments.begin(), segments.end(),
+                                 [](const Segment& s) { return jserve::gguf::Tiled(s.type); });
+  const float* norm_weight = norm.element_count() ? norm.typed_data() : nullptr;
+  std::vector<float> normed(norm_weight ? tokens * depth : 0);
+  jserve::gguf::Activations activations(tiled ? tokens : 0, depth);
+  if (norm_weight || tiled) {
+    jserve::ParallelFor((tokens + kRowsPerNorm - 1) / kRowsPerNorm, [&](int64_t item) {
       for (int64_t t = item * kRowsPerNorm; t < std::min(tokens, (item + 1) * kRowsPerNorm); ++t) {
-        jserve::NormalizeRow(xs + t * depth, depth, norm.typed_data(), eps, normed.data() + t * depth);
+        const float* row = x.typed_data() + t * depth;
+        if (norm_weight) {
+          jserve::NormalizeRow(row, depth, norm_weight, eps, normed.data() + t * depth);
+          row = normed.data() + t * depth;
+        }
+        if (tiled) jserve::gguf::Quantize(row, t, &activations);
       }
     });
-    xs = normed.data();
   }
-  // Work items: runs of whole row groups within one segment, about kWorkPerItem multiply-adds each.
+  const float* xs = norm_weight ? normed.data() : x.typed_data();
+  // Work items: runs of whole row groups (tiles for tiled segments, which also split tokens in runs of
+  // kTokenTile) within one segment, about kWorkPerItem multiply-adds each.
   struct Item {
-    int64_t segment, row_begin, row_end;
+    int64_t segment, row_begin, row_end, token_begin, token_end;
   };
-  const int64_t per_item = std::max<int64_t>(kRows, kWorkPerItem / (tokens * depth) / kRows * kRows);
   std::vector<Item> items;
   for (size_t s = 0; s < segments.size(); ++s) {
-    for (int64_t r = 0; r < segments[s].rows; r += per_item) {
-      items.push_back({static_cast<int64_t>(s), r, std::min(segments[s].rows, r + per_item)});
+    const bool tiles = jserve::gguf::Tiled(segments[s].type);
+    const int64_t group = tiles ? jserve::gguf::kTileRows : kRows, token_run = tiles ? kTokenTile : tokens;
+    const int64_t per_item =
+        std::max(group, kWorkPerItem / (std::min(tokens, token_run) * depth) / group * group);
+    for (int64_t t = 0; t < tokens; t += token_run) {
+      for (int64_t r = 0; r < segments[s].rows; r += per_item) {
+        items.push_back({static_cast<int64_t>(s), r, std::min(segments[s].rows, r + per_item), t,
+                         std::min(tokens, t + token_run)});
+      }
     }
   }
   const uint8_t* weight = w.typed_data();
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
     const Segment& segment = segments[item.segment];
+    if (jserve::gguf::Tiled(segment.type)) {
+      const int64_t tile = jserve::gguf::kTileRows;
+      jserve::gguf::TiledRows(segment.type, weight + segment.offset, segment.rows, item.row_begin / tile,
+                              (item.row_end + tile - 1) / tile, activations, item.token_begin, item.token_end,
+                              outputs, segment.first_row, out);
+      return;
+    }
 #if JSERVE_AVX512
     const FusedFn* fused = tokens <= kTokens ? FusedFor(segment.type) : nullptr;
     if (fused != nullptr) {  // a few tokens: no buffer
@@ -504,8 +534,10 @@ ffi::Error GgufDequantize(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y,
     for (int64_t r = item * kRowsPerItem; r < std::min(outputs, (item + 1) * kRowsPerItem); ++r) {
       const Segment& segment = *std::prev(std::upper_bound(
           segments.begin(), segments.end(), r, [](int64_t row, const Segment& s) { return row < s.first_row; }));
-      const uint8_t* row = w.typed_data() + segment.offset + (r - segment.first_row) * segment.row_bytes;
-      DequantizeRow(segment.type, row, segment.blocks, y->typed_data() + r * depth);
+      RowBytes(segment.type, w.typed_data() + segment.offset, r - segment.first_row, segment.blocks,
+               segment.row_bytes, [&](const uint8_t* row) {
+                 DequantizeRow(segment.type, row, segment.blocks, y->typed_data() + r * depth);
+               });
     }
   });
   return ffi::Error::Success();
@@ -524,7 +556,8 @@ ffi::Error GgufRows(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32> ids, ffi::
   const int64_t table_rows = static_cast<int64_t>(table.element_count()) / row_bytes;
   for (int64_t i = 0; i < ids.element_count(); ++i) {
     const int64_t id = std::clamp<int64_t>(ids.typed_data()[i], 0, table_rows - 1);  // as XLA's gather clamps
-    DequantizeRow(type, table.typed_data() + id * row_bytes, blocks, y->typed_data() + i * depth);
+    RowBytes(type, table.typed_data(), id, blocks, row_bytes,
+             [&](const uint8_t* row) { DequantizeRow(type, row, blocks, y->typed_data() + i * depth); });
   }
   return ffi::Error::Success();
 }

@@ -17,6 +17,7 @@ from flax import nnx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from jserve.cpu_kernels import gguf_tiles
 from jserve.models.embedding import Embedding
 from jserve.models.linear import Linear
 
@@ -54,16 +55,19 @@ def keeps_blocks(ggml_type, shape: Sequence[int]) -> bool:
 
 def fuse_blocks(pieces: Sequence[GgufBlocks | np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]] | None:
     """The flat bytes and (type, rows) segments of a fused projection's pieces, adjacent pieces of one
-    format merged; None if any piece is float (the caller dequantizes the others)."""
+    format merged (and laid out in tiles where the kernel takes that format so: cpu_kernels/gguf_tiles.py);
+    None if any piece is float (the caller dequantizes the others)."""
     if not all(isinstance(piece, GgufBlocks) for piece in pieces):
         return None
-    segments: list[tuple[int, int]] = []
+    runs: list[tuple[int, list[np.ndarray]]] = []  # adjacent pieces of one format: one segment
     for piece in pieces:
-        if segments and segments[-1][0] == piece.ggml_type:
-            segments[-1] = (piece.ggml_type, segments[-1][1] + piece.data.shape[0])
+        if runs and runs[-1][0] == piece.ggml_type:
+            runs[-1][1].append(piece.data)
         else:
-            segments.append((piece.ggml_type, piece.data.shape[0]))
-    return np.concatenate([piece.data.reshape(-1) for piece in pieces]), tuple(segments)
+            runs.append((piece.ggml_type, [piece.data]))
+    rows = [(ggml_type, np.concatenate(parts)) for ggml_type, parts in runs]
+    flat = [gguf_tiles.tile_rows(t, r) if gguf_tiles.tiled(t) else r.reshape(-1) for t, r in rows]
+    return np.concatenate(flat), tuple((t, r.shape[0]) for t, r in rows)
 
 
 def attach_blocks(graphdef: nnx.GraphDef, params: nnx.State, layouts: dict[str, tuple[tuple[int, int], ...]]):

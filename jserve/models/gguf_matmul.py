@@ -1,12 +1,12 @@
-"""Projections whose weights are a GGUF file's blocks (`--quantization gguf`), by step size.
+"""Projections whose weights are a GGUF file's blocks (`--quantization gguf`), by format and step size.
 
-Up to KERNEL_TOKENS tokens the C++ kernel multiplies straight from the blocks, reading a quarter to an
-eighth of float32's bytes. Beyond, the step is bound by arithmetic rather than memory, and XLA's float
-matmul beats the kernel's buffered rows: the weight is dequantized for the step (its exact float values)
-and XLA multiplies it. The threshold is measured on SmolLM2 (benchmarks/roofline.py --quantization gguf):
-a 64-token decode step took 299 ms in the kernel and 380 ms dequantized, a 512-token prefill step 1655 ms
-and 961 ms. The token count is the step's
-bucket, static, so each compiled step holds one of the two.
+The C++ kernel multiplies straight from the blocks, reading a quarter to an eighth of float32's bytes.
+Q4_0, Q4_1 and Q8_0 weights (tiled, integer products: cpu_kernels/gguf_tiles.h) always take it: at 512
+tokens it beat XLA's float32 matmul too (benchmarks/gguf_kernel.py). The other formats' float kernel loses
+to XLA once a step is bound by arithmetic, so past KERNEL_TOKENS tokens their weight is dequantized for
+the step (its exact float values) and XLA multiplies it: measured on SmolLM2, a 512-token prefill step took
+1655 ms in that kernel and 961 ms dequantized. The token count is the step's bucket, static, so each
+compiled step holds one of the two.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 
 from jserve import cpu_kernels
+from jserve.cpu_kernels.gguf_tiles import tiled
 from jserve.models.norm import rms_norm
 
 KERNEL_TOKENS = 128
@@ -28,7 +29,7 @@ def gguf_matmul(
 ) -> jax.Array:
     """norm(x) [T, in] times the block weight `w` (flat uint8, `segments` as cpu_kernels.gguf_linear) ->
     [T, out] in x's dtype."""
-    if x.shape[0] <= KERNEL_TOKENS:
+    if x.shape[0] <= KERNEL_TOKENS or all(tiled(ggml_type) for ggml_type, _ in segments):
         return cpu_kernels.gguf_linear(x, w, segments, real_rows, norm).astype(x.dtype)
     dense = cpu_kernels.gguf_dequantize(w, segments, x.shape[-1])
     x = x if norm is None else rms_norm(x, *norm)

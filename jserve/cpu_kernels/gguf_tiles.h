@@ -1,0 +1,55 @@
+// GGUF weights in tiles of 16 rows, multiplied by integer dot products (gguf_tiles.cc).
+//
+// Q4_0, Q4_1 and Q8_0 are blocks of 32 integer codes with a float16 scale (and Q4_1 a float16 minimum):
+// w = d·q (+ m). Their rows are kept 16 at a time, block by block: a tile block holds the 16 rows' scales,
+// then their codes as 64-byte vectors whose lane r is 4 bytes of row r (the codes of 4 inputs, or for the
+// 4-bit formats the codes of inputs k..k+3 in the low nibbles and k+16..k+19 in the high ones, as ggml
+// packs them). Bytes and values are the file's; only their order changes, and a tile block takes exactly
+// the 16 blocks' bytes. One 64-byte load then feeds AVX-512 VNNI's vpdpbusd for 16 outputs at once.
+//
+// The activations meet the codes as integers: per 32 inputs x ≈ s·v with v = round(x / s), s = max|x| /
+// (127·2¹⁴), written as three int8 digits v = 2¹⁴·c2 + 2⁷·c1 + c0 (|c2| ≤ 127, |c1|, |c0| ≤ 64). The
+// codes are exact and the int32 sums Σ q·c are exact, so the only approximation is v's: 2⁻²² of each 32
+// inputs' largest, about float32's own rounding of it, with every token's result independent of the others
+// in its step. (Two digits, 2⁻¹⁵, moved SmolLM2's logits by 0.06.) The float work is one scale per block:
+// y += (d·s)·Σq·v, and the minimum's (or Q4_0's −8·d) m·Σx with the inputs' float sum.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace jserve::gguf {
+
+constexpr int64_t kTileRows = 16;
+
+// Whether rows of this ggml type are kept in tiles.
+bool Tiled(int64_t type);
+
+// Bytes of `rows` rows of `row_bytes` each: tiled types take whole tiles (the last padded with zero rows).
+int64_t SegmentBytes(int64_t type, int64_t rows, int64_t row_bytes);
+
+// Row `row` of a tiled run of rows, `blocks` blocks long, back in ggml's own block layout at `out`.
+void UntileRow(int64_t type, const uint8_t* tiles, int64_t row, int64_t blocks, uint8_t* out);
+
+// Tokens' activations as the tiled products take them, per block of 32 inputs.
+struct Activations {
+  Activations(int64_t tokens, int64_t depth);  // depth a multiple of 32
+  int64_t blocks;
+  std::vector<int8_t> digits;       // [token][block][3][32]: c2 of the block's 32 inputs, c1, c0
+  std::vector<float> scale, sum;    // [token][block]: s, and Σ x
+  std::vector<int32_t> digit_sums;  // [token][block][3]: Σ c2, Σ c1, Σ c0
+};
+
+// Token t's activations x [depth] into `a`.
+void Quantize(const float* x, int64_t t, Activations* a);
+
+// Whether this build multiplies tiles with AVX-512 VNNI (else with scalar loops: the same integers).
+bool Vectorized();
+
+// y[t, first_row + r] for the rows of tiles [tile_begin, tile_end) of a run of `rows` rows and tokens
+// [token_begin, token_end) of `a`; y's rows are `outputs` long.
+void TiledRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_begin, int64_t tile_end,
+               const Activations& a, int64_t token_begin, int64_t token_end, int64_t outputs, int64_t first_row,
+               float* y);
+
+}  // namespace jserve::gguf
