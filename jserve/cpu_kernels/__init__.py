@@ -158,6 +158,11 @@ def int8_linear_available() -> bool:
     return available() and bool(load().JserveInt8LinearSupported())
 
 
+def gguf_tiles_vectorized() -> bool:
+    """Whether gguf_linear multiplies Q4_0/Q4_1/Q8_0 tiles with AVX-512 VNNI here (else scalar loops)."""
+    return available() and bool(load().JserveGgufTilesVectorized())
+
+
 def int8_linear(
     x: jax.Array,
     q: jax.Array,

@@ -78,10 +78,12 @@ class EngineArgs:
         choices=ATTENTION_BACKENDS,
     )
     quantization: str = setting(
-        "none",
-        "int8: int8 weights (per channel) times activations as two int8 digits per token (as accurate as float "
-        "activations); w8a8: one int8 digit with a scale per 32 activations, about half the int8 work, less "
-        "faithful to float32. Both read 4x fewer weight bytes",
+        "auto",
+        "auto: gguf for a GGUF file on one CPU with AVX-512 VNNI and --dtype auto, else none; gguf: the file's "
+        "Q4/Q5/Q8/K-quant weights kept in their blocks, float32 activations (logits within 1e-3 of float32); "
+        "none: weights as loaded (a GGUF file dequantized); int8: int8 weights (per channel) times activations "
+        "as two int8 digits per token; w8a8: one int8 digit with a scale per 32 activations, about half the "
+        "int8 work, less faithful to float32. int8 and w8a8 read 4x fewer weight bytes than float32",
         choices=QUANTIZATIONS,
     )
     cpu_int8_kernel: bool = setting(

@@ -26,7 +26,7 @@ from jserve.loader.random_weights import random_params, shape_config
 from jserve.loader.resolve import ModelSource, resolve_model
 from jserve.loader.safetensors_source import count_tensors, iter_safetensors, safetensors_files
 from jserve.loader.weights import assemble
-from jserve.models.quantization import QUANTIZATIONS, Quantization
+from jserve.models.quantization import AUTO, QUANTIZATIONS, Quantization
 from jserve.parallel import WeightPlacement
 from jserve.tokenizer import Tokenizer
 
@@ -65,7 +65,7 @@ def load_model(
     model: str | os.PathLike | None = None,
     dtype: str = "auto",
     mesh: Mesh | None = None,
-    quantization: str = "none",
+    quantization: str = AUTO,
     revision: str | None = None,
     download_dir: str | os.PathLike | None = None,
     gguf_file: str | None = None,
@@ -76,15 +76,16 @@ def load_model(
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder, a hub id
     (`org/name`, or `org/name:FILE.gguf`: from the HF cache, downloaded if absent), a `jserve convert` folder,
     or `random:<shape>` (random weights, see MODEL_SHAPES). `revision`, `download_dir`, `gguf_file`: see
-    resolve_model. `quantization` "int8" or "w8a8": weights quantized once loaded (jserve.models.quantization),
+    resolve_model. `quantization`: "auto" (resolve_quantization), "gguf" (a GGUF file's blocks kept), "int8" or
+    "w8a8": weights quantized once loaded (jserve.models.quantization),
     laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel` is False. `max_model_len`: the
     context it will serve, which picks long-context rope frequencies where a model has two sets (longrope).
     `expert_parallel`: a mixture of experts on a mesh splits whole experts over its devices (not each expert)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-    quantization = Quantization(quantization)
     target_dtype = resolve_dtype(dtype)
     source = resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
+    quantization = resolve_quantization(quantization, source, mesh, dtype)
     if quantization is Quantization.GGUF:
         check_gguf_blocks(source, mesh, target_dtype)
     start = time.perf_counter()
@@ -135,6 +136,23 @@ def load_model(
         sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
     return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh, quantization)
+
+
+def resolve_quantization(quantization: str, source: ModelSource, mesh: Mesh | None, dtype: str) -> Quantization:
+    """`auto`: a GGUF file keeps its blocks (gguf) on one CPU device whose kernel multiplies them with AVX-512
+    VNNI, unless --dtype asks for a dtype (--dtype float32 is the exact, dequantized path); every other case,
+    float checkpoints included, loads the weights as they are (none): a float checkpoint has no blocks to
+    keep, and int8 / w8a8 change its numbers."""
+    if quantization != AUTO:
+        return Quantization(quantization)
+    native = (
+        source.kind == "gguf" and dtype == "auto" and mesh is None and jax.default_backend() == "cpu"
+        and cpu_kernels.gguf_tiles_vectorized()
+    )  # fmt: skip
+    if native:
+        log.info("Quantization auto: the GGUF file's weights stay in their blocks (gguf; --dtype float32 for "
+                 "the dequantized float32 path)")  # fmt: skip
+    return Quantization.GGUF if native else Quantization.NONE
 
 
 def check_gguf_blocks(source: ModelSource, mesh: Mesh | None, dtype) -> None:

@@ -45,7 +45,8 @@ class Quantization(StrEnum):
         return GROUP if self is Quantization.W8A8 else 0
 
 
-QUANTIZATIONS = tuple(q.value for q in Quantization)  # the flag's choices, as the user writes them
+AUTO = "auto"  # gguf for a GGUF file where its kernel runs well, else none (loader.resolve_quantization)
+QUANTIZATIONS = (AUTO, *(q.value for q in Quantization))  # the flag's choices, as the user writes them
 
 
 def quantize_rows(w: jax.Array) -> tuple[jax.Array, jax.Array]:

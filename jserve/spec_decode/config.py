@@ -13,7 +13,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # Proposals are verified only while at most this many requests run (vLLM's disable_by_batch_size): a big
 # batch already reads the weights once for many tokens, and every draft token there is extra compute.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
-DRAFT_QUANTIZATIONS = ("none", "int8", "w8a8")
+DRAFT_QUANTIZATIONS = ("auto", "none", "int8", "w8a8")
 
 
 @dataclass(frozen=True)
