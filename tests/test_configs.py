@@ -91,7 +91,7 @@ BAD_FILES = [
     ("max-num-seqs: many\n", "chat", ["max-num-seqs: invalid int value 'many'"]),
     ("max-num-seqs: 1.5\n", "chat", ["max-num-seqs: invalid int value 1.5"]),
     ("max-num-seqs: true\n", "chat", ["max-num-seqs: expected a single value, got True"]),
-    ("quantization: int4\n", "serve", ["quantization: 'int4' is not one of none, int8, w8a8"]),
+    ("quantization: int4\n", "serve", ["quantization: 'int4' is not one of auto, none, int8, w8a8, gguf"]),
     ("enable-prefix-caching: maybe\n", "serve", ["enable-prefix-caching: expected true or false, got 'maybe'"]),
     ("stop: {a: 1}\n", "generate", ["stop: expected a single value"]),
     ("schedule-policy: lpm\nscheduling-policy: fcfs\n", "serve", ["'scheduling-policy' and 'schedule-policy'"]),
