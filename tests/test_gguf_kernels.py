@@ -4,6 +4,10 @@ Blocks are random bytes with small finite scales: every bit pattern of a block i
 covers the layouts' every field (gguf-py cannot quantize the K-quants, but it dequantizes them all).
 """
 
+import ctypes
+import subprocess
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,6 +140,28 @@ def test_large_steps(ggml_type):
         np.testing.assert_array_equal(got[:3], np.asarray(gguf_matmul(x[:3], flat, segments, norm=norm)))
     else:
         np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+
+
+def test_cpus_without_avx512_compute_the_same(tmp_path):
+    """The tiled formats' scalar loops (a build without AVX-512, for CPUs without VNNI) give the vector
+    kernel's products: the same digits and integer sums, float steps in the same order."""
+    library = tmp_path / "scalar.so"
+    source = Path(cpu_kernels.__file__).parent / "gguf_tiles.cc"
+    flags = [f for f in cpu_kernels.COMPILE_FLAGS if f != "-march=native"]
+    subprocess.run([cpu_kernels._compiler(), *flags, "-mno-avx512f", "-shared", str(source), "-o", str(library)],
+                   check=True, capture_output=True)  # fmt: skip
+    product = ctypes.CDLL(str(library)).JserveGgufTilesProduct
+    rng = np.random.default_rng(5)
+    for ggml_type in (G.Q4_0, G.Q4_1, G.Q8_0):
+        w = random_blocks(rng, ggml_type, 37, 128)
+        flat, segments = kernel_weight([(ggml_type, w)], 128)
+        x = rng.standard_normal((5, 128)).astype(np.float32)
+        expected = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments))
+        tiles, got = np.asarray(flat), np.zeros((5, 37), np.float32)
+        pointer = ctypes.c_void_p
+        product(ctypes.c_int64(int(ggml_type)), tiles.ctypes.data_as(pointer), ctypes.c_int64(37), ctypes.c_int64(128),
+                x.ctypes.data_as(pointer), ctypes.c_int64(5), got.ctypes.data_as(pointer))  # fmt: skip
+        np.testing.assert_allclose(got, expected, atol=1e-6 * np.abs(expected).max(), rtol=0)
 
 
 def test_unsupported_layouts_are_refused():

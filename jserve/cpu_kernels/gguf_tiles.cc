@@ -274,3 +274,13 @@ void TiledRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_be
 }
 
 }  // namespace jserve::gguf
+
+// y [tokens, rows] = x [tokens, depth] · wᵀ for one tiled weight, outside XLA: lets the tests run a build
+// compiled without AVX-512 (its scalar loops) against the kernel.
+extern "C" void JserveGgufTilesProduct(int64_t type, const uint8_t* tiles, int64_t rows, int64_t depth,
+                                       const float* x, int64_t tokens, float* y) {
+  jserve::gguf::Activations a(tokens, depth);
+  for (int64_t t = 0; t < tokens; ++t) jserve::gguf::Quantize(x + t * depth, t, &a);
+  const int64_t tiles_count = (rows + jserve::gguf::kTileRows - 1) / jserve::gguf::kTileRows;
+  jserve::gguf::TiledRows(type, tiles, rows, 0, tiles_count, a, 0, tokens, rows, 0, y);
+}
