@@ -1,15 +1,18 @@
 // y = norm(x) · wᵀ for float activations x [T, in] and a weight kept in llama.cpp's GGUF block formats:
-// the checkpoint's own bytes, dequantized a few rows at a time inside the matmul, so a step reads as many
-// weight bytes as the file holds (Q4_1: 0.56 bytes a weight, against float32's 4) and multiplies exactly
-// the checkpoint's weights (float accumulation: the float32 path's results up to summation order).
+// the checkpoint's own bytes, so a step reads as many weight bytes as the file holds (Q4_1: 0.56 bytes a
+// weight, against float32's 4) and multiplies exactly the checkpoint's weights.
 //
 // Formats (ggml's layouts): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in blocks of 32 weights, and the K-quants Q4_K,
 // Q5_K, Q6_K in super-blocks of 256. A weight may be several segments of rows, each in its own format
 // (a fused q/k/v whose pieces the file stores differently), given as the attributes `types` and `rows`;
-// its bytes are the segments' rows back to back.
+// its bytes are the segments' bytes back to back. Q4_0, Q4_1 and Q8_0 segments are in tiles of 16 rows
+// and multiplied by integer dot products (gguf_tiles.h); the other formats' segments are rows, dequantized
+// here a few at a time inside the matmul (float accumulation: the float32 path's results up to summation
+// order).
 //
-// Work items are groups of output rows: each worker dequantizes kRows rows into a float buffer that stays
-// in L1/L2, then multiplies it with every token, kTokens tokens by kRows rows of accumulators at a time.
+// Work items are groups of output rows within a segment. For row segments each worker dequantizes kRows
+// rows into a float buffer that stays in L1/L2, then multiplies it with every token, kTokens tokens by
+// kRows rows of accumulators at a time (up to 4 tokens, straight from registers, with no buffer).
 
 #include <algorithm>
 #include <cmath>
