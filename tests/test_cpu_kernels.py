@@ -73,6 +73,30 @@ def test_lone_decode_step():
     assert_matches_reference(out, case, "float32")
 
 
+# Long contexts (decodes around 128 keys and past 256, prefill blocks over hundreds), alone and beside other
+# sequences, with and without a sliding window.
+LONG_CONTEXTS = [(1, 300), (1, 127), (1, 128), (20, 250), (0, 0), (5, 380)]
+
+
+@pytest.mark.parametrize("window", [None, 200])
+def test_long_contexts_split_over_key_chunks(window):
+    for batch in (LONG_CONTEXTS, [(1, 300)]):
+        case = make_case(batch, heads=6, kv_heads=2, sliding_window=window)
+        out = cpu_kernels.ragged_paged_attention(*case.kernel_args(), scale=case.scale, sliding_window=window or 0)
+        assert_matches_reference(out, case, "float32")
+
+
+def test_a_tokens_attention_does_not_depend_on_its_step():
+    """One sequence's decode gives the same bits alone and beside other sequences."""
+    case = make_case([(1, 300), (7, 90), (1, 40)], heads=6, kv_heads=2, pad=False)
+    q, k, v, context_lens, page_tables, starts = case.kernel_args()
+    together = cpu_kernels.ragged_paged_attention(q, k, v, context_lens, page_tables, starts, scale=case.scale)
+    alone = cpu_kernels.ragged_paged_attention(
+        q[:1], k, v, context_lens[:1], page_tables[:1], starts[:2], scale=case.scale
+    )
+    np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(together[0]))
+
+
 def test_all_padding_batch_is_zeros():
     case = make_case([(0, 0)])
     out = cpu_kernels.ragged_paged_attention(*case.kernel_args(), scale=case.scale)
