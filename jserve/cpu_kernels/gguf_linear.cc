@@ -21,6 +21,7 @@
 #include <iterator>
 #include <vector>
 
+#include "ggml.h"
 #include "gguf_tiles.h"
 #include "parallel.h"
 #include "row_norm.h"
@@ -37,8 +38,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// ggml's type ids (gguf.GGMLQuantizationType).
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+using namespace jserve::ggml;  // type ids and Half
 
 struct Format {
   int64_t block;  // weights per block
@@ -57,20 +57,6 @@ bool FormatOf(int64_t type, Format* format) {
     case kQ6_K: *format = {256, 210}; return true;
     default: return false;
   }
-}
-
-float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if JSERVE_AVX512
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  float value = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
-                : exponent == 31 ? (mantissa ? NAN : INFINITY)
-                                 : std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
-  return sign ? -value : value;
-#endif
 }
 
 uint32_t Word(const uint8_t* p) {

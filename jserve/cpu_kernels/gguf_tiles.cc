@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "ggml.h"
 #include "row_norm.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -17,8 +18,10 @@
 namespace jserve::gguf {
 namespace {
 
-// ggml's type ids (gguf.GGMLQuantizationType) of the tiled formats.
-enum Type : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+using jserve::ggml::Half;
+using jserve::ggml::kQ4_0;
+using jserve::ggml::kQ4_1;
+using jserve::ggml::kQ8_0;
 
 constexpr int64_t kBlock = 32;
 constexpr int kDigits = 3;                  // int8 digits per input: v = 2¹⁴·c2 + 2⁷·c1 + c0
@@ -29,7 +32,7 @@ struct Layout {
   int64_t block_bytes, header, tile_header, code_vectors;
 };
 
-Layout LayoutOf(int64_t type) {
+constexpr Layout LayoutOf(int64_t type) {
   switch (type) {
     case kQ4_0: return {18, 2, 32, 4};
     case kQ4_1: return {20, 4, 64, 4};
@@ -39,16 +42,6 @@ Layout LayoutOf(int64_t type) {
 
 const uint8_t* TileBlock(const uint8_t* tiles, int64_t type, int64_t blocks, int64_t tile, int64_t block) {
   return tiles + (tile * blocks + block) * kTileRows * LayoutOf(type).block_bytes;
-}
-
-float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  float value = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
-                : exponent == 31 ? (mantissa ? NAN : INFINITY)
-                                 : std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
-  return sign ? -value : value;
 }
 
 // The integer v of input j of a token's block, and the codes of input j of row r in a tile block.
@@ -108,8 +101,7 @@ inline __m512i Dot(__m512i acc, __m512i wv, const int8_t* four) {
 template <int64_t kType, int kTokens>
 void TilePass(const uint8_t* tile, const Activations& a, int64_t t0, int64_t outputs, int64_t o0, int64_t n,
               float* y) {
-  constexpr Layout kLayout = kType == kQ4_0 ? Layout{18, 2, 32, 4} : kType == kQ4_1 ? Layout{20, 4, 64, 4}
-                                                                                   : Layout{34, 2, 32, 8};
+  constexpr Layout kLayout = LayoutOf(kType);
   constexpr int64_t kTileBlock = kTileRows * kLayout.block_bytes;
   const int64_t blocks = a.blocks;
   const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));

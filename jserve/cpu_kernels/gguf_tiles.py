@@ -8,12 +8,12 @@ row r. Every byte is the file's; the layout only reorders them (rows padded with
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 G = GGMLQuantizationType
 TILE_ROWS = 16
-# Format: (bytes per block of 32, bytes of scales/minima before its codes).
-TILED = {G.Q4_0: (18, 2), G.Q4_1: (20, 4), G.Q8_0: (34, 2)}
+# Format: bytes of a block's scale (and minimum) before its codes.
+TILED = {G.Q4_0: 2, G.Q4_1: 4, G.Q8_0: 2}
 
 
 def tiled(ggml_type: int) -> bool:
@@ -22,7 +22,8 @@ def tiled(ggml_type: int) -> bool:
 
 def tile_rows(ggml_type: int, rows: np.ndarray) -> np.ndarray:
     """Rows [n, bytes per row] of a tiled format as the kernel's flat bytes (n rounded up to 16)."""
-    block_bytes, header = TILED[GGMLQuantizationType(ggml_type)]
+    ggml_type = GGMLQuantizationType(ggml_type)
+    header, block_bytes = TILED[ggml_type], GGML_QUANT_SIZES[ggml_type][1]
     n, row_bytes = rows.shape
     blocks = row_bytes // block_bytes
     padded = np.zeros((-(-n // TILE_ROWS) * TILE_ROWS, row_bytes), np.uint8)
