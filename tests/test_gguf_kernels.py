@@ -25,6 +25,8 @@ G = GGMLQuantizationType
 HALF_OFFSETS = {G.Q4_0: [0], G.Q4_1: [0, 2], G.Q5_0: [0], G.Q5_1: [0, 2], G.Q8_0: [0], G.Q4_K: [0, 2],
                 G.Q5_K: [0, 2], G.Q6_K: [208]}  # fmt: skip
 
+# The codes of the tiled formats whose weights have an offset term: w = d·q + offset.
+CODES = {G.Q4_0: slice(2, 18), G.Q4_1: slice(4, 20), G.Q4_K: slice(16, 144)}
 DIGIT_RANGE = 127 * 2**14  # the tiled formats' |v| for a block's largest input (gguf_tiles.h)
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C++ compiler to build jserve's kernels")
 
@@ -49,18 +51,21 @@ def digit_product(x: np.ndarray, w: np.ndarray, ggml_type) -> tuple[np.ndarray, 
     """What the tiled formats compute, in float64: per 32 inputs v = round(x · R / max|x|) (x ≈ s·v),
     times the exact weights; and the bound on its distance from x · wᵀ (Σ |w| · s / 2 per block)."""
     dense = dequantize(w, ggml_type).reshape(w.shape[0], -1).astype(np.float64)
-    # Q4_0's −8·d and Q4_1's m multiply the exact Σx; only d·q meets v.
-    head = w.reshape(w.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1])[..., :4].copy()
-    d, m = (head[..., at : at + 2].view(np.float16)[..., 0].astype(np.float64) for at in (0, 2))
-    offset = {G.Q4_0: -8 * d, G.Q4_1: m}.get(ggml_type, np.zeros_like(d))
-    scaled = dense - np.repeat(offset, 32, axis=1)
+    # Q4_0's −8·d, Q4_1's m and Q4_K's −dmin·m (the weight with all codes 0) multiply the exact Σx; the
+    # rest meets v.
+    offset = np.zeros_like(dense)
+    if ggml_type in CODES:
+        blocks = w.reshape(w.shape[0], -1, GGML_QUANT_SIZES[ggml_type][1]).copy()
+        blocks[..., CODES[ggml_type]] = 0
+        offset = dequantize(blocks.reshape(w.shape), ggml_type).reshape(dense.shape).astype(np.float64)
+    scaled = dense - offset
     blocks = x.reshape(x.shape[0], -1, 32)
     top = np.abs(blocks).max(-1, keepdims=True)
     inverse = np.where(top == 0, np.float32(0), np.float32(DIGIT_RANGE) / np.where(top == 0, 1, top)).astype(np.float32)
     v = np.rint(blocks * inverse)  # float32 products, rounded half to even, as the kernel's
     approx = (v * (top.astype(np.float64) / DIGIT_RANGE)).reshape(x.shape)
     bound = np.abs(scaled).reshape(1, w.shape[0], -1, 32).sum(-1) * (top / DIGIT_RANGE / 2).reshape(x.shape[0], 1, -1)
-    return approx @ scaled.T + x.astype(np.float64) @ (dense - scaled).T, bound.sum(-1)
+    return approx @ scaled.T + x.astype(np.float64) @ offset.T, bound.sum(-1)
 
 
 @pytest.mark.parametrize("ggml_type", list(HALF_OFFSETS), ids=lambda t: t.name)
@@ -155,14 +160,14 @@ def test_cpus_without_avx512_compute_the_same(tmp_path):
     subprocess.run([compiler, *cpu_kernels.LINK_FLAGS, str(obj), "-o", str(library)], check=True, capture_output=True)
     product = ctypes.CDLL(str(library)).JserveGgufTilesProduct
     rng = np.random.default_rng(5)
-    for ggml_type in (G.Q4_0, G.Q4_1, G.Q8_0):
-        w = random_blocks(rng, ggml_type, 37, 128)
-        flat, segments = kernel_weight([(ggml_type, w)], 128)
-        x = rng.standard_normal((5, 128)).astype(np.float32)
+    for ggml_type in (G.Q4_0, G.Q4_1, G.Q8_0, G.Q4_K, G.Q6_K):
+        w = random_blocks(rng, ggml_type, 37, 256)
+        flat, segments = kernel_weight([(ggml_type, w)], 256)
+        x = rng.standard_normal((5, 256)).astype(np.float32)
         expected = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments))
         tiles, got = np.asarray(flat), np.zeros((5, 37), np.float32)
         pointer = ctypes.c_void_p
-        product(ctypes.c_int64(int(ggml_type)), tiles.ctypes.data_as(pointer), ctypes.c_int64(37), ctypes.c_int64(128),
+        product(ctypes.c_int64(int(ggml_type)), tiles.ctypes.data_as(pointer), ctypes.c_int64(37), ctypes.c_int64(256),
                 x.ctypes.data_as(pointer), ctypes.c_int64(5), got.ctypes.data_as(pointer))  # fmt: skip
         np.testing.assert_allclose(got, expected, atol=1e-6 * np.abs(expected).max(), rtol=0)
 

@@ -8,12 +8,20 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from gguf.quants import dequantize
 
 from jserve import LLM, SamplingParams, cpu_kernels
 from jserve.loader import load_model
 
 from test_engine import prompts, token_ids
-from tiny_models import VARIANTS, jserve_prompt_logits, save_tiny_checkpoint, tiny_engine_args, write_gguf
+from tiny_models import (
+    VARIANTS,
+    jserve_prompt_logits,
+    quantize_blocks,
+    save_tiny_checkpoint,
+    tiny_engine_args,
+    write_gguf,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C++ compiler to build jserve's kernels")
 CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Name three prime numbers."]
@@ -68,6 +76,41 @@ def test_tiny_gguf_blocks_give_the_dequantized_logits_and_tokens(tmp_path, varia
     exact = load_model(tmp_path / "model.gguf", "float32")
     native = load_model(tmp_path / "model.gguf", "float32", quantization="gguf")
     assert len(block_weights(native)) == 1 + 2 * 4 + (not native.config.tie_word_embeddings)
+    ids = prompts(1, seed=4, low=30, high=31)[0]
+    np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-3)
+    batch = prompts(4, seed=5, low=5, high=60)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for quantization in ("none", "gguf"):
+        args = tiny_engine_args(tmp_path / "model.gguf", quantization=quantization)
+        outputs[quantization] = token_ids(LLM.from_engine_args(args).generate(batch, params, use_tqdm=False))
+    assert outputs["gguf"] == outputs["none"]
+
+
+def q4_k_m(name: str) -> gguf.GGMLQuantizationType:
+    """What llama.cpp's Q4_K_M mostly picks: Q6_K for the value and down projections, Q4_K elsewhere."""
+    G = gguf.GGMLQuantizationType
+    return G.Q6_K if "attn_v" in name or "ffn_down" in name else G.Q4_K
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-tied-mqa"])
+def test_k_quant_blocks_give_the_dequantized_logits_and_tokens(tmp_path, variant):
+    """A Q4_K_M-like file (rows 256 wide and more, as K-quants need): Q4_K and Q6_K pieces fused in one
+    q/k/v weight, a Q4_K table (tied: the head too)."""
+    family, overrides = VARIANTS[variant]
+    torch_model = save_tiny_checkpoint(tmp_path / "hf", family, hidden_size=256, intermediate_size=512, **overrides)
+    w = torch_model.model.layers[0].mlp.down_proj.weight.detach().numpy()
+    for qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):  # the test's own encoders
+        back = dequantize(quantize_blocks(w, qtype), qtype).reshape(w.shape)
+        assert np.abs(back - w).max() < {12: 0.1, 14: 0.02}[int(qtype)] * np.abs(w).max()
+    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch=family, qtype=q4_k_m)
+    exact = load_model(tmp_path / "model.gguf", "float32")
+    native = load_model(tmp_path / "model.gguf", "float32", quantization="gguf")
+    held = block_weights(native)
+    G = gguf.GGMLQuantizationType
+    q, kv = 256, 64 * torch_model.config.num_key_value_heads
+    assert held["layers.0.self_attn.qkv_proj"] == ((G.Q4_K, q + kv), (G.Q6_K, kv))
+    assert held["embed_tokens"] == G.Q4_K
     ids = prompts(1, seed=4, low=30, high=31)[0]
     np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-3)
     batch = prompts(4, seed=5, low=5, high=60)

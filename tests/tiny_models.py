@@ -217,6 +217,58 @@ def gguf_tensors(name: str, w: np.ndarray, arch: str, split_experts: bool) -> li
     return [(f"blk.{layer}.ffn_{p}_exps.weight", x) for p, x in pieces.items()]
 
 
+def quantize_blocks(w: np.ndarray, qtype) -> np.ndarray:
+    """w [..., n] in ggml's block format `qtype`: gguf-py's quantizer, and for Q4_K and Q6_K (which gguf-py
+    only dequantizes) a plain round-to-nearest encoder of the same layouts (n a multiple of 256)."""
+    import gguf
+    from gguf.quants import quantize
+
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return _q4_k(w)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        return _q6_k(w)
+    return quantize(w, qtype)
+
+
+def _half(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def _q4_k(w: np.ndarray) -> np.ndarray:
+    x = w.reshape(-1, 8, 32)  # super-blocks of 8 sub-blocks
+    low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    d = _half((high - low).max(-1) / 15 / 63)
+    dmin = _half((-low).max(-1) / 63)
+    d32, dmin32 = (np.where(v == 0, 1, v).astype(np.float32)[:, None] for v in (d, dmin))
+    sc = np.clip(np.rint((high - low) / 15 / d32), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(-low / dmin32), 0, 63).astype(np.uint8)
+    d1, m1 = (d.astype(np.float32)[:, None] * sc)[..., None], (dmin.astype(np.float32)[:, None] * m)[..., None]
+    q = np.clip(np.rint((x + m1) / np.where(d1 == 0, 1, d1)), 0, 15).astype(np.uint8)
+    packed = np.zeros((len(x), 12), np.uint8)  # ggml's get_scale_min_k4, inverted
+    packed[:, :4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    codes = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(len(x), 128)  # chunk c: sub-blocks 2c (low), 2c + 1
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, codes], -1)
+    return blocks.reshape(*w.shape[:-1], -1)
+
+
+def _q6_k(w: np.ndarray) -> np.ndarray:
+    x = w.reshape(-1, 16, 16)  # super-blocks of 16 sub-blocks
+    sub = np.abs(x).max(-1) / 31
+    d = _half(sub.max(-1) / 127)
+    d32 = np.where(d == 0, 1, d).astype(np.float32)[:, None]
+    sc = np.clip(np.rint(sub / d32), -128, 127).astype(np.int8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    q = (np.clip(np.rint(x / np.where(step == 0, 1, step)), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+    low = (q[:, :, :2] & 0xF) | ((q[:, :, 2:] & 0xF) << 4)  # [.., half, l4 row (0: q1|q3, 1: q2|q4), 32]
+    high = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    blocks = np.concatenate(
+        [low.reshape(-1, 128), high.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], -1
+    )
+    return blocks.reshape(*w.shape[:-1], -1)
+
+
 def write_gguf(
     model: transformers.PreTrainedModel,
     folder: Path,
@@ -228,12 +280,12 @@ def write_gguf(
 ) -> None:
     """Write `model` (saved with its tokenizer in `folder`) as a GGUF file the way llama.cpp lays it out.
 
-    2-D weights are stored as `qtype` (e.g. Q8_0) when given, everything else as `float_dtype`. Experts are
+    2-D weights are stored as `qtype` (e.g. Q8_0, or a function of the GGUF tensor name) when given,
+    everything else as `float_dtype`. Experts are
     stacked per projection (ffn_gate_exps), or one tensor per expert (blk.N.ffn_gate.E) if `split_experts`,
     as older Mixtral files have them.
     """
     import gguf
-    from gguf.quants import quantize
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -308,7 +360,8 @@ def write_gguf(
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         for gguf_name, array in gguf_tensors(name, w, arch, split_experts):
             if qtype is not None and array.ndim >= 2:
-                writer.add_tensor(gguf_name, quantize(array.astype(np.float32), qtype), raw_dtype=qtype)
+                kind = qtype(gguf_name) if callable(qtype) else qtype
+                writer.add_tensor(gguf_name, quantize_blocks(array.astype(np.float32), kind), raw_dtype=kind)
             else:
                 writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()

@@ -159,7 +159,7 @@ def int8_linear_available() -> bool:
 
 
 def gguf_tiles_vectorized() -> bool:
-    """Whether gguf_linear multiplies Q4_0/Q4_1/Q8_0 tiles with AVX-512 VNNI here (else scalar loops)."""
+    """Whether gguf_linear multiplies the tiled formats (gguf_tiles.h) with AVX-512 VNNI here (else scalar loops)."""
     return available() and bool(load().JserveGgufTilesVectorized())
 
 

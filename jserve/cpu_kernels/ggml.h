@@ -29,4 +29,15 @@ inline float Half(const uint8_t* p) {
 #endif
 }
 
+// A K-quant sub-block's 6-bit scale and min from its block's 12 packed bytes (ggml's get_scale_min_k4).
+inline void ScaleMin(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
+  if (j < 4) {
+    *scale = q[j] & 63;
+    *min = q[j + 4] & 63;
+  } else {
+    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
 }  // namespace jserve::ggml

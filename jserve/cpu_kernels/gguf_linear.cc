@@ -5,14 +5,14 @@
 // Formats (ggml's layouts): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in blocks of 32 weights, and the K-quants Q4_K,
 // Q5_K, Q6_K in super-blocks of 256. A weight may be several segments of rows, each in its own format
 // (a fused q/k/v whose pieces the file stores differently), given as the attributes `types` and `rows`;
-// its bytes are the segments' bytes back to back. Q4_0, Q4_1 and Q8_0 segments are in tiles of 16 rows
-// and multiplied by integer dot products (gguf_tiles.h); the other formats' segments are rows, dequantized
-// here a few at a time inside the matmul (float accumulation: the float32 path's results up to summation
-// order).
+// its bytes are the segments' bytes back to back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K segments are in tiles of
+// 16 rows and multiplied by integer dot products (gguf_tiles.h); the other formats' (Q5_0, Q5_1, Q5_K)
+// segments are rows, dequantized here a few at a time inside the matmul (float accumulation: the float32
+// path's results up to summation order).
 //
 // Work items are groups of output rows within a segment. For row segments each worker dequantizes kRows
 // rows into a float buffer that stays in L1/L2, then multiplies it with every token, kTokens tokens by
-// kRows rows of accumulators at a time (up to 4 tokens, straight from registers, with no buffer).
+// kRows rows of accumulators at a time.
 
 #include <algorithm>
 #include <cmath>
@@ -65,17 +65,6 @@ uint32_t Word(const uint8_t* p) {
   return v;
 }
 
-// A K-quant sub-block's 6-bit scale and min (ggml's get_scale_min_k4).
-void ScaleMin(int j, const uint8_t* q, uint8_t* scale, uint8_t* min) {
-  if (j < 4) {
-    *scale = q[j] & 63;
-    *min = q[j + 4] & 63;
-  } else {
-    *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 #if JSERVE_AVX512
 // The float steps with explicit rounding, so that -ffast-math fuses nothing: each weight is the product
 // and sum gguf-py computes, bit for bit.
@@ -116,7 +105,7 @@ inline void Dequant32(const uint8_t* row, int64_t i, __m512* w) {
     const uint8_t* p = row + 144 * (i / 8);
     const int j = static_cast<int>(i % 8);
     uint8_t sc, mn;
-    ScaleMin(j, p + 4, &sc, &mn);
+    jserve::ggml::ScaleMin(j, p + 4, &sc, &mn);
     const __m512 d = _mm512_set1_ps(Half(p) * sc), m = _mm512_set1_ps(Half(p + 2) * mn);
     const uint8_t* q = p + 16 + 32 * (j / 2);
     for (int half = 0; half < 2; ++half) {
@@ -157,58 +146,6 @@ bool DequantizeRowVectors(int64_t type, const uint8_t* in, int64_t blocks, float
     case kQ4_K: DequantizeVectors<kQ4_K>(in, 8 * blocks, out); return true;
     case kQ6_K: DequantizeVectors<kQ6_K>(in, 8 * blocks, out); return true;
     default: return false;
-  }
-}
-
-// y[t, o + r] for kRowsN rows (bytes `rows`, `row_bytes` apart) and kTokensN tokens of x: each 32
-// weights are dequantized in registers and meet every token at once (two accumulator chains per pair, so
-// the FMAs' latency overlaps). For steps of a few tokens, where a buffer would cost more than it saves.
-template <int64_t kType, int kRowsN, int kTokensN>
-void FusedRows(const uint8_t* rows, int64_t row_bytes, int64_t n, const float* x, int64_t depth,
-               int64_t outputs, int64_t o, float* y) {
-  __m512 acc[kRowsN][kTokensN][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < kRowsN; ++r)
-#pragma GCC unroll 4
-    for (int t = 0; t < kTokensN; ++t) acc[r][t][0] = acc[r][t][1] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < depth / 32; ++i) {
-    __m512 xv[kTokensN][2];
-#pragma GCC unroll 4
-    for (int t = 0; t < kTokensN; ++t) {
-      xv[t][0] = _mm512_loadu_ps(x + t * depth + 32 * i);
-      xv[t][1] = _mm512_loadu_ps(x + t * depth + 32 * i + 16);
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < kRowsN; ++r) {
-      if (r >= n) break;
-      __m512 w[2];
-      Dequant32<kType>(rows + r * row_bytes, i, w);
-#pragma GCC unroll 4
-      for (int t = 0; t < kTokensN; ++t) {
-        acc[r][t][0] = _mm512_fmadd_ps(w[0], xv[t][0], acc[r][t][0]);
-        acc[r][t][1] = _mm512_fmadd_ps(w[1], xv[t][1], acc[r][t][1]);
-      }
-    }
-  }
-  for (int r = 0; r < n; ++r)
-    for (int t = 0; t < kTokensN; ++t) {
-      y[t * outputs + o + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
-    }
-}
-
-using FusedFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
-constexpr int kFusedRows[5] = {0, 4, 4, 2, 2};  // rows per call by token count: ≤ 16 accumulators
-
-template <int64_t kType>
-constexpr FusedFn kFused[5] = {nullptr, FusedRows<kType, 4, 1>, FusedRows<kType, 4, 2>, FusedRows<kType, 2, 3>,
-                               FusedRows<kType, 2, 4>};
-
-// The fused kernels of a format, or null where it has none (the tiled formats take gguf_tiles.cc's).
-const FusedFn* FusedFor(int64_t type) {
-  switch (type) {
-    case kQ4_K: return kFused<kQ4_K>;
-    case kQ6_K: return kFused<kQ6_K>;
-    default: return nullptr;
   }
 }
 #endif
@@ -285,8 +222,8 @@ void DequantizeRow(int64_t type, const uint8_t* in, int64_t blocks, float* out) 
         float* y = out + 256 * b;
         for (int chunk = 0; chunk < 4; ++chunk) {  // 64 weights: the low nibbles of 32 bytes, then the high ones
           uint8_t sc[2], mn[2];
-          ScaleMin(2 * chunk, scales, &sc[0], &mn[0]);
-          ScaleMin(2 * chunk + 1, scales, &sc[1], &mn[1]);
+          jserve::ggml::ScaleMin(2 * chunk, scales, &sc[0], &mn[0]);
+          jserve::ggml::ScaleMin(2 * chunk + 1, scales, &sc[1], &mn[1]);
           const float d1 = d * sc[0], m1 = dmin * mn[0], d2 = d * sc[1], m2 = dmin * mn[1];
           const uint8_t* q = qs + 32 * chunk;
           for (int l = 0; l < 32; ++l) {
@@ -475,17 +412,6 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
                               outputs, segment.first_row, out);
       return;
     }
-#if JSERVE_AVX512
-    const FusedFn* fused = tokens <= kTokens ? FusedFor(segment.type) : nullptr;
-    if (fused != nullptr) {  // a few tokens: no buffer
-      const int64_t step = kFusedRows[tokens];
-      for (int64_t r = item.row_begin; r < item.row_end; r += step) {
-        fused[tokens](weight + segment.offset + r * segment.row_bytes, segment.row_bytes,
-                      std::min(step, item.row_end - r), xs, depth, outputs, segment.first_row + r, out);
-      }
-      return;
-    }
-#endif
     thread_local std::vector<float> buffer;
     buffer.resize(kRows * depth);
     for (int64_t r = item.row_begin; r < item.row_end; r += kRows) {

@@ -1,8 +1,9 @@
 """Projections whose weights are a GGUF file's blocks (`--quantization gguf`), by format and step size.
 
 The C++ kernel multiplies straight from the blocks, reading a quarter to an eighth of float32's bytes.
-Q4_0, Q4_1 and Q8_0 weights (tiled, integer products: cpu_kernels/gguf_tiles.h) always take it: at 512
-tokens it beat XLA's float32 matmul too (benchmarks/gguf_kernel.py). The other formats' float kernel loses
+Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights (tiled, integer products: cpu_kernels/gguf_tiles.h) always take
+it: at 512 tokens it beat XLA's float32 matmul too (benchmarks/gguf_kernel.py). The other formats' (Q5_0,
+Q5_1, Q5_K) float kernel loses
 to XLA once a step is bound by arithmetic, so past KERNEL_TOKENS tokens their weight is dequantized for
 the step (its exact float values) and XLA multiplies it: measured on SmolLM2, a 512-token prefill step took
 1655 ms in that kernel and 961 ms dequantized. The token count is the step's bucket, static, so each
