@@ -31,8 +31,10 @@ SHAPES = {
     "smollm2-135m": [(576 + 2 * 192, 576), (2 * 1536, 576), (576, 1536)],
     "llama3-8b": [(2 * 14336, 4096), (4096, 14336)],
 }
-FORMATS = {"q4_0": G.Q4_0, "q4_1": G.Q4_1, "q8_0": G.Q8_0, "q4_k": G.Q4_K, "q6_k": G.Q6_K}
-SCALE_OFFSETS = {G.Q4_0: [0], G.Q4_1: [0, 2], G.Q8_0: [0], G.Q4_K: [0, 2], G.Q6_K: [208]}
+FORMATS = {"q4_0": G.Q4_0, "q4_1": G.Q4_1, "q5_0": G.Q5_0, "q5_1": G.Q5_1, "q8_0": G.Q8_0, "q4_k": G.Q4_K,
+           "q5_k": G.Q5_K, "q6_k": G.Q6_K}  # fmt: skip
+SCALE_OFFSETS = {G.Q4_0: [0], G.Q4_1: [0, 2], G.Q5_0: [0], G.Q5_1: [0, 2], G.Q8_0: [0], G.Q4_K: [0, 2], G.Q5_K: [0, 2],
+                 G.Q6_K: [208]}  # fmt: skip
 
 
 def random_blocks(rng, ggml_type, rows: int, depth: int) -> tuple[jax.Array, tuple]:
@@ -61,11 +63,14 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="smollm2-135m")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     # K-quants' super-blocks of 256 need inputs that divide into them (SmolLM2's 576 does not)
     formats = [
-        name for name, t in FORMATS.items() if all(d % GGML_QUANT_SIZES[t][0] == 0 for _, d in SHAPES[args.shape])
+        name
+        for name, t in FORMATS.items()
+        if name in args.formats and all(d % GGML_QUANT_SIZES[t][0] == 0 for _, d in SHAPES[args.shape])
     ]
     kinds = ["float32", *formats] + (["int8"] if tiles_weights() else [])
     totals = {(kind, n): 0.0 for kind in kinds for n in args.tokens}

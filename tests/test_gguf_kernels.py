@@ -15,9 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from jserve import cpu_kernels
-from jserve.cpu_kernels.gguf_tiles import tiled
 from jserve.loader.gguf_blocks import GgufBlocks, fuse_blocks
-from jserve.models.gguf_matmul import KERNEL_TOKENS, gguf_matmul
 from jserve.models.norm import rms_norm
 
 G = GGMLQuantizationType
@@ -25,9 +23,10 @@ G = GGMLQuantizationType
 HALF_OFFSETS = {G.Q4_0: [0], G.Q4_1: [0, 2], G.Q5_0: [0], G.Q5_1: [0, 2], G.Q8_0: [0], G.Q4_K: [0, 2],
                 G.Q5_K: [0, 2], G.Q6_K: [208]}  # fmt: skip
 
-# The codes of the tiled formats whose weights have an offset term: w = d·q + offset.
-CODES = {G.Q4_0: slice(2, 18), G.Q4_1: slice(4, 20), G.Q4_K: slice(16, 144)}
-DIGIT_RANGE = 127 * 2**14  # the tiled formats' |v| for a block's largest input (gguf_tiles.h)
+# The codes of the formats whose weights have an offset term: w = d·q + offset.
+CODES = {G.Q4_0: slice(2, 18), G.Q4_1: slice(4, 20), G.Q5_0: slice(2, 22), G.Q5_1: slice(4, 24), G.Q4_K: slice(16, 144),
+         G.Q5_K: slice(16, 176)}  # fmt: skip
+DIGIT_RANGE = 127 * 2**14  # |v| for a block's largest input (gguf_tiles.h)
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C++ compiler to build jserve's kernels")
 
 
@@ -48,7 +47,7 @@ def kernel_weight(pieces: list[tuple[int, np.ndarray]], depth: int) -> tuple[jnp
 
 
 def digit_product(x: np.ndarray, w: np.ndarray, ggml_type) -> tuple[np.ndarray, np.ndarray]:
-    """What the tiled formats compute, in float64: per 32 inputs v = round(x · R / max|x|) (x ≈ s·v),
+    """What the kernel computes, in float64: per 32 inputs v = round(x · R / max|x|) (x ≈ s·v),
     times the exact weights; and the bound on its distance from x · wᵀ (Σ |w| · s / 2 per block)."""
     dense = dequantize(w, ggml_type).reshape(w.shape[0], -1).astype(np.float64)
     # Q4_0's −8·d, Q4_1's m and Q4_K's −dmin·m (the weight with all codes 0) multiply the exact Σx; the
@@ -70,8 +69,7 @@ def digit_product(x: np.ndarray, w: np.ndarray, ggml_type) -> tuple[np.ndarray, 
 
 @pytest.mark.parametrize("ggml_type", list(HALF_OFFSETS), ids=lambda t: t.name)
 def test_matmul_equals_the_dequantized_weight(ggml_type):
-    """Row formats: the float product up to summation order. Tiled formats: the integer digits' product
-    (its only approximation, x's v), within its bound of the float product."""
+    """The integer digits' product (its only approximation, x's v), within its bound of the float product."""
     rng = np.random.default_rng(int(ggml_type))
     depth, rows = 512, 40
     w = random_blocks(rng, ggml_type, rows, depth)
@@ -80,12 +78,9 @@ def test_matmul_equals_the_dequantized_weight(ggml_type):
     flat, segments = kernel_weight([(ggml_type, w)], depth)
     y = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments, jnp.array([7], jnp.int32)))
     expected = x[:7].astype(np.float64) @ dense.T.astype(np.float64)
-    if tiled(ggml_type):
-        digits, bound = digit_product(x[:7], w, ggml_type)
-        np.testing.assert_allclose(y[:7], digits, atol=1e-6 * np.abs(expected).max(), rtol=0)
-        assert (np.abs(y[:7] - expected) <= bound + 1e-6 * np.abs(expected).max()).all()
-    else:
-        np.testing.assert_allclose(y[:7], expected, atol=1e-6 * np.abs(expected).max(), rtol=0)
+    digits, bound = digit_product(x[:7], w, ggml_type)
+    np.testing.assert_allclose(y[:7], digits, atol=1e-6 * np.abs(expected).max(), rtol=0)
+    assert (np.abs(y[:7] - expected) <= bound + 1e-6 * np.abs(expected).max()).all()
     assert not y[7:].any(), "padding rows come back as zeros"
 
 
@@ -116,40 +111,23 @@ def test_segments_of_different_formats_and_a_norm():
         np.testing.assert_allclose(y, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
 
 
-def test_a_whole_weight_is_dequantized_exactly():
-    rng = np.random.default_rng(3)
-    pieces = [(G.Q4_K, 6), (G.Q6_K, 3), (G.Q4_1, 4)]
-    blocks = [random_blocks(rng, t, rows, 256) for t, rows in pieces]
-    w, segments = kernel_weight([(t, b) for b, (t, _) in zip(blocks, pieces, strict=True)], 256)
-    got = np.asarray(cpu_kernels.gguf_dequantize(w, segments, 256))
-    expected = np.concatenate(
-        [dequantize(b, t).reshape(rows, 256) for b, (t, rows) in zip(blocks, pieces, strict=True)]
-    )
-    np.testing.assert_array_equal(got, expected)
-
-
-@pytest.mark.parametrize("ggml_type", [G.Q4_K, G.Q4_1], ids=lambda t: t.name)
-def test_large_steps(ggml_type):
-    """Past KERNEL_TOKENS tokens gguf_matmul multiplies a row format's dequantized weight with XLA (the same
-    products and norm as the kernel's, up to summation order); tiled formats stay in the kernel, so a
-    token's result does not depend on its step's size."""
+@pytest.mark.parametrize("ggml_type", [G.Q4_1, G.Q5_0, G.Q4_K, G.Q6_K], ids=lambda t: t.name)
+def test_a_tokens_product_does_not_depend_on_its_step(ggml_type):
+    """A step of hundreds of tokens (several token runs of the kernel's work items) gives each token what a
+    step of a few gives it, bit for bit."""
     rng = np.random.default_rng(4)
     w = random_blocks(rng, ggml_type, 48, 256)
-    x = jnp.asarray(rng.standard_normal((KERNEL_TOKENS + 40, 256)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((300, 256)).astype(np.float32))
     norm = (jnp.asarray(rng.standard_normal(256).astype(np.float32)), 1e-5)
     flat, segments = kernel_weight([(ggml_type, w)], 256)
-    got = np.asarray(gguf_matmul(x, flat, segments, norm=norm))
-    expected = np.asarray(cpu_kernels.gguf_linear(x, flat, segments, norm=norm))
-    if tiled(ggml_type):
-        np.testing.assert_array_equal(got, expected)
-        np.testing.assert_array_equal(got[:3], np.asarray(gguf_matmul(x[:3], flat, segments, norm=norm)))
-    else:
-        np.testing.assert_allclose(got, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+    got = np.asarray(cpu_kernels.gguf_linear(x, flat, segments, norm=norm))
+    np.testing.assert_array_equal(got[:3], np.asarray(cpu_kernels.gguf_linear(x[:3], flat, segments, norm=norm)))
+    np.testing.assert_array_equal(got[-5:], np.asarray(cpu_kernels.gguf_linear(x[-5:], flat, segments, norm=norm)))
 
 
 def test_cpus_without_avx512_compute_the_same(tmp_path):
-    """The tiled formats' scalar loops (a build without AVX-512, for CPUs without VNNI) give the vector
-    kernel's products: the same digits and integer sums, float steps in the same order."""
+    """The scalar loops (a build without AVX-512, for CPUs without VNNI) give the vector kernel's products:
+    the same digits and integer sums, then float steps (which may round differently)."""
     library, obj = tmp_path / "scalar.so", tmp_path / "scalar.o"
     source = Path(cpu_kernels.__file__).parent / "gguf_tiles.cc"
     compiler = cpu_kernels._compiler()
@@ -160,7 +138,7 @@ def test_cpus_without_avx512_compute_the_same(tmp_path):
     subprocess.run([compiler, *cpu_kernels.LINK_FLAGS, str(obj), "-o", str(library)], check=True, capture_output=True)
     product = ctypes.CDLL(str(library)).JserveGgufTilesProduct
     rng = np.random.default_rng(5)
-    for ggml_type in (G.Q4_0, G.Q4_1, G.Q8_0, G.Q4_K, G.Q6_K):
+    for ggml_type in list(HALF_OFFSETS):
         w = random_blocks(rng, ggml_type, 37, 256)
         flat, segments = kernel_weight([(ggml_type, w)], 256)
         x = rng.standard_normal((5, 256)).astype(np.float32)

@@ -64,11 +64,11 @@ def test_default_model_greedy_replies_equal_float32s():
 
 @pytest.mark.parametrize(
     "variant, qtype",
-    [("llama", "Q8_0"), ("qwen2", "Q4_0"), ("phi3", "Q8_0"), ("llama-tied-mqa", "Q4_1")],
+    [("llama", "Q8_0"), ("qwen2", "Q4_0"), ("phi3", "Q5_0"), ("llama-tied-mqa", "Q4_1"), ("qwen2", "Q5_1")],
 )
 def test_tiny_gguf_blocks_give_the_dequantized_logits_and_tokens(tmp_path, variant, qtype):
     """llama: Q/K rows permuted in the file; qwen2: q/k/v biases and a tied head; phi3: fused q/k/v and
-    gate/up tensors split into blocks; MQA with a tied table in Q4_1."""
+    gate/up tensors split into blocks; MQA with a tied table in Q4_1; each 32-weight format at least once."""
     family, overrides = VARIANTS[variant]
     torch_model = save_tiny_checkpoint(tmp_path / "hf", family, **overrides)
     qtype = gguf.GGMLQuantizationType[qtype]
@@ -87,30 +87,31 @@ def test_tiny_gguf_blocks_give_the_dequantized_logits_and_tokens(tmp_path, varia
     assert outputs["gguf"] == outputs["none"]
 
 
-def q4_k_m(name: str) -> gguf.GGMLQuantizationType:
-    """What llama.cpp's Q4_K_M mostly picks: Q6_K for the value and down projections, Q4_K elsewhere."""
+def k_quant_mix(main: str):
+    """What llama.cpp's Q4_K_M and Q5_K_M mostly pick: Q6_K for the value and down projections, the main
+    K-quant elsewhere."""
     G = gguf.GGMLQuantizationType
-    return G.Q6_K if "attn_v" in name or "ffn_down" in name else G.Q4_K
+    return lambda name: G.Q6_K if "attn_v" in name or "ffn_down" in name else G[main]
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-tied-mqa"])
-def test_k_quant_blocks_give_the_dequantized_logits_and_tokens(tmp_path, variant):
-    """A Q4_K_M-like file (rows 256 wide and more, as K-quants need): Q4_K and Q6_K pieces fused in one
-    q/k/v weight, a Q4_K table (tied: the head too)."""
+@pytest.mark.parametrize("variant, main", [("llama", "Q4_K"), ("llama-tied-mqa", "Q5_K")])
+def test_k_quant_blocks_give_the_dequantized_logits_and_tokens(tmp_path, variant, main):
+    """A Q4_K_M- or Q5_K_M-like file (rows 256 wide and more, as K-quants need): K-quant pieces of two
+    formats fused in one q/k/v weight, a K-quant table (tied: the head too)."""
+    G = gguf.GGMLQuantizationType
     family, overrides = VARIANTS[variant]
     torch_model = save_tiny_checkpoint(tmp_path / "hf", family, hidden_size=256, intermediate_size=512, **overrides)
     w = torch_model.model.layers[0].mlp.down_proj.weight.detach().numpy()
-    for qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K):  # the test's own encoders
+    for qtype, error in ((G.Q4_K, 0.1), (G.Q5_K, 0.05), (G.Q6_K, 0.02)):  # the test's own encoders
         back = dequantize(quantize_blocks(w, qtype), qtype).reshape(w.shape)
-        assert np.abs(back - w).max() < {12: 0.1, 14: 0.02}[int(qtype)] * np.abs(w).max()
-    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch=family, qtype=q4_k_m)
+        assert np.abs(back - w).max() < error * np.abs(w).max()
+    write_gguf(torch_model, tmp_path / "hf", tmp_path / "model.gguf", arch=family, qtype=k_quant_mix(main))
     exact = load_model(tmp_path / "model.gguf", "float32")
     native = load_model(tmp_path / "model.gguf", "float32", quantization="gguf")
     held = block_weights(native)
-    G = gguf.GGMLQuantizationType
     q, kv = 256, 64 * torch_model.config.num_key_value_heads
-    assert held["layers.0.self_attn.qkv_proj"] == ((G.Q4_K, q + kv), (G.Q6_K, kv))
-    assert held["embed_tokens"] == G.Q4_K
+    assert held["layers.0.self_attn.qkv_proj"] == ((G[main], q + kv), (G.Q6_K, kv))
+    assert held["embed_tokens"] == G[main]
     ids = prompts(1, seed=4, low=30, high=31)[0]
     np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-3)
     batch = prompts(4, seed=5, low=5, high=60)

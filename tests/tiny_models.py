@@ -218,13 +218,13 @@ def gguf_tensors(name: str, w: np.ndarray, arch: str, split_experts: bool) -> li
 
 
 def quantize_blocks(w: np.ndarray, qtype) -> np.ndarray:
-    """w [..., n] in ggml's block format `qtype`: gguf-py's quantizer, and for Q4_K and Q6_K (which gguf-py
-    only dequantizes) a plain round-to-nearest encoder of the same layouts (n a multiple of 256)."""
+    """w [..., n] in ggml's block format `qtype`: gguf-py's quantizer, and for Q4_K, Q5_K and Q6_K (which
+    gguf-py only dequantizes) a plain round-to-nearest encoder of their layouts (n a multiple of 256)."""
     import gguf
     from gguf.quants import quantize
 
-    if qtype == gguf.GGMLQuantizationType.Q4_K:
-        return _q4_k(w)
+    if qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
+        return _q4_k(w, bits=4 if qtype == gguf.GGMLQuantizationType.Q4_K else 5)
     if qtype == gguf.GGMLQuantizationType.Q6_K:
         return _q6_k(w)
     return quantize(w, qtype)
@@ -234,22 +234,27 @@ def _half(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def _q4_k(w: np.ndarray) -> np.ndarray:
+def _q4_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
+    """Q4_K, or with bits=5 Q5_K (the same with a 5th bit per code in 32 bytes before the nibbles)."""
+    top = 2**bits - 1
     x = w.reshape(-1, 8, 32)  # super-blocks of 8 sub-blocks
     low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
-    d = _half((high - low).max(-1) / 15 / 63)
+    d = _half((high - low).max(-1) / top / 63)
     dmin = _half((-low).max(-1) / 63)
     d32, dmin32 = (np.where(v == 0, 1, v).astype(np.float32)[:, None] for v in (d, dmin))
-    sc = np.clip(np.rint((high - low) / 15 / d32), 0, 63).astype(np.uint8)
+    sc = np.clip(np.rint((high - low) / top / d32), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(-low / dmin32), 0, 63).astype(np.uint8)
     d1, m1 = (d.astype(np.float32)[:, None] * sc)[..., None], (dmin.astype(np.float32)[:, None] * m)[..., None]
-    q = np.clip(np.rint((x + m1) / np.where(d1 == 0, 1, d1)), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((x + m1) / np.where(d1 == 0, 1, d1)), 0, top).astype(np.uint8)
     packed = np.zeros((len(x), 12), np.uint8)  # ggml's get_scale_min_k4, inverted
     packed[:, :4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
     packed[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
     packed[:, 8:] = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
-    codes = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(len(x), 128)  # chunk c: sub-blocks 2c (low), 2c + 1
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, codes], -1)
+    nibbles = q & 0xF
+    codes = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).reshape(len(x), 128)  # chunk c: sub-blocks 2c, 2c + 1
+    fifth = [((q[:, j] >> 4) << j).astype(np.uint8) for j in range(8)] if bits == 5 else []  # bit j: sub-block j
+    heads = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed]
+    blocks = np.concatenate([*heads, *([np.bitwise_or.reduce(fifth)] if fifth else []), codes], -1)
     return blocks.reshape(*w.shape[:-1], -1)
 
 

@@ -38,7 +38,6 @@ TARGETS = {  # XLA name: exported symbol
     "jserve_write_kv": "JserveWriteKv",
     "jserve_gguf_linear": "JserveGgufLinear",
     "jserve_gguf_rows": "JserveGgufRows",
-    "jserve_gguf_dequantize": "JserveGgufDequantize",
 }
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart, without -ffast-math: with it GCC links crtfastmath.o, which switches on flush-to-zero for
@@ -203,14 +202,6 @@ def gguf_linear(
     call = jax.ffi.ffi_call("jserve_gguf_linear", jax.ShapeDtypeStruct((x.shape[0], outputs), jnp.float32))
     operands = (x.astype(jnp.float32), real_rows.astype(jnp.int32).reshape(1), norm_weight.astype(jnp.float32), w)
     return call(*operands, eps=np.float32(eps), **layout)
-
-
-def gguf_dequantize(w: jax.Array, segments: tuple[tuple[int, int], ...], depth: int) -> jax.Array:
-    """A weight in GGUF block formats (as gguf_linear takes it) as floats [out, depth]."""
-    load()
-    outputs, layout = _segments(segments)
-    call = jax.ffi.ffi_call("jserve_gguf_dequantize", jax.ShapeDtypeStruct((outputs, depth), jnp.float32))
-    return call(w, **layout)
 
 
 def _segments(segments: tuple[tuple[int, int], ...]) -> tuple[int, dict[str, np.ndarray]]:

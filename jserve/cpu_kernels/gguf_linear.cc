@@ -5,20 +5,15 @@
 // Formats (ggml's layouts): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in blocks of 32 weights, and the K-quants Q4_K,
 // Q5_K, Q6_K in super-blocks of 256. A weight may be several segments of rows, each in its own format
 // (a fused q/k/v whose pieces the file stores differently), given as the attributes `types` and `rows`;
-// its bytes are the segments' bytes back to back. Q4_0, Q4_1, Q8_0, Q4_K and Q6_K segments are in tiles of
-// 16 rows and multiplied by integer dot products (gguf_tiles.h); the other formats' (Q5_0, Q5_1, Q5_K)
-// segments are rows, dequantized here a few at a time inside the matmul (float accumulation: the float32
-// path's results up to summation order).
-//
-// Work items are groups of output rows within a segment. For row segments each worker dequantizes kRows
-// rows into a float buffer that stays in L1/L2, then multiplies it with every token, kTokens tokens by
-// kRows rows of accumulators at a time.
+// its bytes are the segments' bytes back to back, each segment in tiles of 16 rows, multiplied by integer
+// dot products against the inputs written as integer digits (gguf_tiles.h). Work items are runs of tiles
+// within a segment and of tokens within the step. Rows are also looked up one at a time (an embedding),
+// dequantized here as gguf-py dequantizes them.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <iterator>
 #include <vector>
 
 #include "ggml.h"
@@ -268,49 +263,13 @@ void DequantizeRow(int64_t type, const uint8_t* in, int64_t blocks, float* out) 
   }
 }
 
-constexpr int64_t kRows = 4;     // output rows dequantized together (a work item holds several groups)
-constexpr int64_t kTokens = 4;   // tokens per pass over the buffered rows: kRows × kTokens accumulators
 constexpr int64_t kRowsPerNorm = 8;
 constexpr int64_t kTokenTile = 64;  // tokens per work item of a tiled segment: their digits stay in L2
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;  // multiply-adds per work item
 
-// y[t, o + r] for r < n rows of `w` (floats [n, depth]) and the first `count` tokens of x.
-void MultiplyRows(const float* w, int64_t n, const float* x, int64_t depth, int64_t count, int64_t outputs,
-                  int64_t o, float* y) {
-#if JSERVE_AVX512
-  for (int64_t t = 0; t < count; t += kTokens) {
-    const int64_t tokens = std::min(kTokens, count - t);
-    __m512 acc[kRows][kTokens];
-    for (int r = 0; r < kRows; ++r)
-      for (int i = 0; i < kTokens; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < depth; k += 16) {
-      const __mmask16 m = jserve::Lanes(depth - k);
-      __m512 xv[kTokens];
-      for (int i = 0; i < kTokens; ++i) {
-        xv[i] = i < tokens ? _mm512_maskz_loadu_ps(m, x + (t + i) * depth + k) : _mm512_setzero_ps();
-      }
-      for (int r = 0; r < kRows; ++r) {
-        const __m512 wv = r < n ? _mm512_maskz_loadu_ps(m, w + r * depth + k) : _mm512_setzero_ps();
-        for (int i = 0; i < kTokens; ++i) acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
-      }
-    }
-    for (int r = 0; r < n; ++r)
-      for (int i = 0; i < tokens; ++i) y[(t + i) * outputs + o + r] = _mm512_reduce_add_ps(acc[r][i]);
-  }
-#else
-  for (int64_t t = 0; t < count; ++t)
-    for (int64_t r = 0; r < n; ++r) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < depth; ++k) sum += w[r * depth + k] * x[t * depth + k];
-      y[t * outputs + o + r] = sum;
-    }
-#endif
-}
-
-// use(bytes of row `row`, in ggml's block layout) for a run of rows in `type` starting at `rows`.
+// use(bytes of row `row`, in ggml's block layout) for a tiled run of rows in `type` starting at `rows`.
 template <typename Use>
 void RowBytes(int64_t type, const uint8_t* rows, int64_t row, int64_t blocks, int64_t row_bytes, const Use& use) {
-  if (!jserve::gguf::Tiled(type)) return use(rows + row * row_bytes);
   thread_local std::vector<uint8_t> bytes;
   bytes.resize(row_bytes);
   jserve::gguf::UntileRow(type, rows, row, blocks, bytes.data());
@@ -364,40 +323,35 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
   std::fill(out + tokens * outputs, out + count * outputs, 0.0f);
   if (tokens == 0) return ffi::Error::Success();
 
-  // The inputs, normalized if asked, and for tiled segments as integer digits (gguf_tiles.h).
-  const bool tiled = std::any_of(segments.begin(), segments.end(),
-                                 [](const Segment& s) { return jserve::gguf::Tiled(s.type); });
+  // The inputs, normalized if asked, as integer digits (gguf_tiles.h).
   const float* norm_weight = norm.element_count() ? norm.typed_data() : nullptr;
-  std::vector<float> normed(norm_weight ? tokens * depth : 0);
-  jserve::gguf::Activations activations(tiled ? tokens : 0, depth);
-  if (norm_weight || tiled) {
-    jserve::ParallelFor((tokens + kRowsPerNorm - 1) / kRowsPerNorm, [&](int64_t item) {
-      for (int64_t t = item * kRowsPerNorm; t < std::min(tokens, (item + 1) * kRowsPerNorm); ++t) {
-        const float* row = x.typed_data() + t * depth;
-        if (norm_weight) {
-          jserve::NormalizeRow(row, depth, norm_weight, eps, normed.data() + t * depth);
-          row = normed.data() + t * depth;
-        }
-        if (tiled) jserve::gguf::Quantize(row, t, &activations);
+  jserve::gguf::Activations activations(tokens, depth);
+  jserve::ParallelFor((tokens + kRowsPerNorm - 1) / kRowsPerNorm, [&](int64_t item) {
+    thread_local std::vector<float> normed;
+    normed.resize(depth);
+    for (int64_t t = item * kRowsPerNorm; t < std::min(tokens, (item + 1) * kRowsPerNorm); ++t) {
+      const float* row = x.typed_data() + t * depth;
+      if (norm_weight) {
+        jserve::NormalizeRow(row, depth, norm_weight, eps, normed.data());
+        row = normed.data();
       }
-    });
-  }
-  const float* xs = norm_weight ? normed.data() : x.typed_data();
-  // Work items: runs of whole row groups (tiles for tiled segments, which also split tokens in runs of
-  // kTokenTile) within one segment, about kWorkPerItem multiply-adds each.
+      jserve::gguf::Quantize(row, t, &activations);
+    }
+  });
+  // Work items: runs of whole tiles within one segment and of up to kTokenTile tokens, about kWorkPerItem
+  // multiply-adds each.
   struct Item {
-    int64_t segment, row_begin, row_end, token_begin, token_end;
+    int64_t segment, tile_begin, tile_end, token_begin, token_end;
   };
   std::vector<Item> items;
+  constexpr int64_t kTile = jserve::gguf::kTileRows;
+  const int64_t tiles_per_item = std::max<int64_t>(1, kWorkPerItem / (std::min(tokens, kTokenTile) * depth) / kTile);
   for (size_t s = 0; s < segments.size(); ++s) {
-    const bool tiles = jserve::gguf::Tiled(segments[s].type);
-    const int64_t group = tiles ? jserve::gguf::kTileRows : kRows, token_run = tiles ? kTokenTile : tokens;
-    const int64_t per_item =
-        std::max(group, kWorkPerItem / (std::min(tokens, token_run) * depth) / group * group);
-    for (int64_t t = 0; t < tokens; t += token_run) {
-      for (int64_t r = 0; r < segments[s].rows; r += per_item) {
-        items.push_back({static_cast<int64_t>(s), r, std::min(segments[s].rows, r + per_item), t,
-                         std::min(tokens, t + token_run)});
+    const int64_t tiles = (segments[s].rows + kTile - 1) / kTile;
+    for (int64_t t = 0; t < tokens; t += kTokenTile) {
+      for (int64_t tile = 0; tile < tiles; tile += tiles_per_item) {
+        items.push_back({static_cast<int64_t>(s), tile, std::min(tiles, tile + tiles_per_item), t,
+                         std::min(tokens, t + kTokenTile)});
       }
     }
   }
@@ -405,55 +359,8 @@ ffi::Error GgufLinear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> real_rows, 
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item& item = items[i];
     const Segment& segment = segments[item.segment];
-    if (jserve::gguf::Tiled(segment.type)) {
-      const int64_t tile = jserve::gguf::kTileRows;
-      jserve::gguf::TiledRows(segment.type, weight + segment.offset, segment.rows, item.row_begin / tile,
-                              (item.row_end + tile - 1) / tile, activations, item.token_begin, item.token_end,
-                              outputs, segment.first_row, out);
-      return;
-    }
-    thread_local std::vector<float> buffer;
-    buffer.resize(kRows * depth);
-    for (int64_t r = item.row_begin; r < item.row_end; r += kRows) {
-      const int64_t n = std::min(kRows, item.row_end - r);
-      for (int64_t j = 0; j < n; ++j) {
-        const uint8_t* row = weight + segment.offset + (r + j) * segment.row_bytes;
-        DequantizeRow(segment.type, row, segment.blocks, buffer.data() + j * depth);
-      }
-      MultiplyRows(buffer.data(), n, xs, depth, tokens, outputs, segment.first_row + r, out);
-    }
-  });
-  return ffi::Error::Success();
-}
-
-// The whole weight dequantized, [out, depth] floats (for steps of many tokens, which XLA's matmul then
-// multiplies faster than this kernel's buffered rows). Attributes: per segment its type and row count.
-ffi::Error GgufDequantize(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y, ffi::Span<const int64_t> types,
-                          ffi::Span<const int64_t> rows) {
-  const auto y_dims = y->dimensions();
-  if (y_dims.size() != 2 || types.size() != rows.size()) {
-    return ffi::Error::InvalidArgument("gguf dequantize: needs a result [out, depth] and a type and row count per "
-                                       "segment");
-  }
-  const int64_t depth = y_dims[1];
-  std::vector<Segment> segments;
-  int64_t outputs, bytes;
-  if (!ParseSegments(types, rows, depth, &segments, &outputs, &bytes)) {
-    return ffi::Error::InvalidArgument("gguf dequantize: unsupported type, or rows not a whole number of blocks");
-  }
-  if (outputs != y_dims[0] || bytes != static_cast<int64_t>(w.element_count())) {
-    return ffi::Error::InvalidArgument("gguf dequantize: the weight's bytes or the result's rows do not match");
-  }
-  constexpr int64_t kRowsPerItem = 16;
-  jserve::ParallelFor((outputs + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
-    for (int64_t r = item * kRowsPerItem; r < std::min(outputs, (item + 1) * kRowsPerItem); ++r) {
-      const Segment& segment = *std::prev(std::upper_bound(
-          segments.begin(), segments.end(), r, [](int64_t row, const Segment& s) { return row < s.first_row; }));
-      RowBytes(segment.type, w.typed_data() + segment.offset, r - segment.first_row, segment.blocks,
-               segment.row_bytes, [&](const uint8_t* row) {
-                 DequantizeRow(segment.type, row, segment.blocks, y->typed_data() + r * depth);
-               });
-    }
+    jserve::gguf::TiledRows(segment.type, weight + segment.offset, segment.rows, item.tile_begin, item.tile_end,
+                            activations, item.token_begin, item.token_end, outputs, segment.first_row, out);
   });
   return ffi::Error::Success();
 }
@@ -489,13 +396,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveGgufLinear, GgufLinear,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
-                                  .Attr<ffi::Span<const int64_t>>("types")
-                                  .Attr<ffi::Span<const int64_t>>("rows"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveGgufDequantize, GgufDequantize,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<ffi::Span<const int64_t>>("types")
                                   .Attr<ffi::Span<const int64_t>>("rows"));
 

@@ -22,6 +22,9 @@ using jserve::ggml::Half;
 using jserve::ggml::kQ4_0;
 using jserve::ggml::kQ4_1;
 using jserve::ggml::kQ4_K;
+using jserve::ggml::kQ5_0;
+using jserve::ggml::kQ5_1;
+using jserve::ggml::kQ5_K;
 using jserve::ggml::kQ6_K;
 using jserve::ggml::kQ8_0;
 
@@ -39,7 +42,7 @@ struct Field {
 struct Layout {
   int64_t inputs, block_bytes;  // per block
   int count;
-  Field fields[4];
+  Field fields[5];
 
   constexpr int64_t Lane(int f) const { return fields[f].bytes < 4 ? fields[f].bytes : 4; }
   // Where field f starts in a tile block.
@@ -54,11 +57,20 @@ constexpr Layout LayoutOf(int64_t type) {
   switch (type) {
     case kQ4_0: return {32, 18, 2, {{0, 2}, {2, 16}}};                              // d, codes
     case kQ4_1: return {32, 20, 3, {{0, 2}, {2, 2}, {4, 16}}};                      // d, m, codes
+    case kQ5_0: return {32, 22, 3, {{0, 2}, {2, 4}, {6, 16}}};                      // d, 5th bits, codes
+    case kQ5_1: return {32, 24, 4, {{0, 2}, {2, 2}, {4, 4}, {8, 16}}};              // d, m, 5th bits, codes
     case kQ4_K: return {256, 144, 4, {{0, 2}, {2, 2}, {4, 12}, {16, 128}}};         // d, dmin, scales, codes
+    case kQ5_K: return {256, 176, 5, {{0, 2}, {2, 2}, {4, 12}, {16, 32}, {48, 128}}};  // ... 5th bits, codes
     case kQ6_K: return {256, 210, 4, {{208, 2}, {192, 16}, {0, 128}, {128, 64}}};   // d, scales, low, high
     default: return {32, 34, 2, {{0, 2}, {2, 32}}};                                 // kQ8_0: d, codes
   }
 }
+
+// Formats of 32-input blocks with 4-bit codes (and a 5th bit), and those with Q4_K's packed 6-bit scales.
+constexpr bool Nibbled(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1; }
+constexpr bool PackedScales(int64_t type) { return type == kQ4_K || type == kQ5_K; }
+// Formats whose weights have a term independent of the code (a minimum, or Q4_0's −8·d and Q5_0's −16·d).
+constexpr bool HasMin(int64_t type) { return type != kQ8_0 && type != kQ6_K; }
 
 const uint8_t* TileBlock(const uint8_t* tiles, int64_t type, int64_t blocks, int64_t tile, int64_t block) {
   return tiles + (tile * blocks + block) * kTileRows * LayoutOf(type).block_bytes;
@@ -92,18 +104,23 @@ RowPart PartOf(int64_t type, const uint8_t* tb, int r, int j) {
     switch (type) {
       case kQ8_0: part.q[i] = static_cast<int8_t>(byte(1, i)); break;
       case kQ4_K: part.q[i] = byte(3, 32 * (j / 2) + i) >> (4 * (j % 2)) & 0xF; break;
+      case kQ5_K: part.q[i] = (byte(4, 32 * (j / 2) + i) >> (4 * (j % 2)) & 0xF) | (byte(3, i) >> j & 1) << 4; break;
       case kQ6_K: {
         const int h = j / 4, k = j % 4;
         const int32_t low = byte(2, 64 * h + 32 * (k % 2) + i) >> (4 * (k / 2)) & 0xF;
         part.q[i] = (low | (byte(3, 32 * h + i) >> (2 * k) & 3) << 4) - 32;
         break;
       }
-      default: part.q[i] = byte(layout.count - 1, i % 16) >> (4 * (i / 16)) & 0xF;  // Q4_0, Q4_1
+      default: {  // Q4_0, Q4_1, Q5_0, Q5_1: input i's 5th bit is bit i of a 32-bit word
+        part.q[i] = byte(layout.count - 1, i % 16) >> (4 * (i / 16)) & 0xF;
+        if (type == kQ5_0 || type == kQ5_1) part.q[i] |= (byte(layout.count - 2, i / 8) >> (i % 8) & 1) << 4;
+      }
     }
   }
   if (type == kQ4_0) part.min = -8.0f * part.d;
-  if (type == kQ4_1) part.min = Half(tb + 32 + 2 * r);
-  if (type == kQ4_K) {
+  if (type == kQ5_0) part.min = -16.0f * part.d;
+  if (type == kQ4_1 || type == kQ5_1) part.min = Half(tb + 32 + 2 * r);
+  if (PackedScales(type)) {
     uint8_t scale, min, packed[12];
     for (int i = 0; i < 12; ++i) packed[i] = static_cast<uint8_t>(byte(2, i));
     jserve::ggml::ScaleMin(j, packed, &scale, &min);
@@ -170,6 +187,16 @@ inline __m512 Halves(const uint8_t* p) {
 
 inline __m512i Vector(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
+// codes + 16 where the 5th bit is set: byte b of each lane takes bit first + b of the lane's 32-bit word.
+inline __m512i WithFifthBits(__m512i codes, __m512i words, int first) {
+  // Each lane's byte first / 8 into all 4 of its bytes (vpshufb indexes within 16-byte groups), then
+  // byte b tests bit first % 8 + b.
+  const __m512i lane_base = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000);
+  const __m512i spread = _mm512_shuffle_epi8(words, _mm512_add_epi8(lane_base, _mm512_set1_epi8(first / 8)));
+  const __m512i bits = _mm512_set1_epi32(static_cast<int>(0x08040201u << (first % 8)));
+  return _mm512_mask_add_epi8(codes, _mm512_test_epi8_mask(spread, bits), codes, _mm512_set1_epi8(16));
+}
+
 // Byte `byte` of each 32-bit lane, as an unsigned or signed int32.
 inline __m512i LaneByte(__m512i v, int byte) {
   return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * byte)), _mm512_set1_epi32(0xFF));
@@ -198,19 +225,24 @@ inline void LoadPart(const uint8_t* tb, int j, Part* part) {
   constexpr Layout kLayout = LayoutOf(kType);
   part->d = Halves(tb);
   part->min = _mm512_setzero_ps();
-  if constexpr (kType == kQ4_0 || kType == kQ4_1) {
-    if constexpr (kType == kQ4_1) part->min = Halves(tb + 32);
+  if constexpr (Nibbled(kType)) {
+    if constexpr (kType == kQ4_1 || kType == kQ5_1) part->min = Halves(tb + 32);
     if constexpr (kType == kQ4_0) part->min = _mm512_mul_ps(part->d, _mm512_set1_ps(-8.0f));
+    if constexpr (kType == kQ5_0) part->min = _mm512_mul_ps(part->d, _mm512_set1_ps(-16.0f));
     for (int p = 0; p < 4; ++p) {
       const __m512i v = Vector(tb + kLayout.Offset(kLayout.count - 1) + 64 * p);
       part->codes[p] = Nibbles(v, 0);
       part->codes[p + 4] = Nibbles(v, 1);
     }
+    if constexpr (kType == kQ5_0 || kType == kQ5_1) {  // 5th bits: bit i of lane r's word is row r's input i
+      const __m512i words = Vector(tb + kLayout.Offset(kLayout.count - 2));
+      for (int p = 0; p < 8; ++p) part->codes[p] = WithFifthBits(part->codes[p], words, 4 * (p % 4) + 16 * (p / 4));
+    }
   } else if constexpr (kType == kQ8_0) {
     for (int p = 0; p < 8; ++p) {  // unsigned for vpdpbusd: q + 128, taken off through the chains' start
       part->codes[p] = _mm512_xor_si512(Vector(tb + kLayout.Offset(1) + 64 * p), _mm512_set1_epi8(char(0x80)));
     }
-  } else if constexpr (kType == kQ4_K) {
+  } else if constexpr (PackedScales(kType)) {
     const uint8_t* scales = tb + kLayout.Offset(2);
     const __m512i packed[3] = {Vector(scales), Vector(scales + 64), Vector(scales + 128)};
     auto byte = [&](int i) { return LaneByte(packed[i / 4], i % 4); };
@@ -225,7 +257,16 @@ inline void LoadPart(const uint8_t* tb, int j, Part* part) {
     }
     part->d = _mm512_mul_ps(part->d, _mm512_cvtepi32_ps(scale));
     part->min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Halves(tb + 32), _mm512_cvtepi32_ps(min)));
-    for (int p = 0; p < 8; ++p) part->codes[p] = Nibbles(Vector(tb + kLayout.Offset(3) + 64 * (8 * (j / 2) + p)), j % 2);
+    const uint8_t* codes = tb + kLayout.Offset(kLayout.count - 1) + 64 * 8 * (j / 2);
+    for (int p = 0; p < 8; ++p) part->codes[p] = Nibbles(Vector(codes + 64 * p), j % 2);
+    if constexpr (kType == kQ5_K) {  // 5th bits: bit j of the high-bit bytes of inputs 4p..4p+3
+      const uint8_t* high = tb + kLayout.Offset(3);
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << j)), sixteen = _mm512_set1_epi8(16);
+      for (int p = 0; p < 8; ++p) {
+        part->codes[p] =
+            _mm512_mask_add_epi8(part->codes[p], _mm512_test_epi8_mask(Vector(high + 64 * p), bit), part->codes[p], sixteen);
+      }
+    }
   } else {  // kQ6_K: part j is stream k of half h; its 6-bit codes are 4 bits of `low` and 2 of `high`
     const int h = j / 4, k = j % 4;
     const __m512i scales = Vector(tb + kLayout.Offset(1) + 64 * (2 * h + k / 2));
@@ -291,7 +332,7 @@ void TilePass(const uint8_t* tile, const Activations& a, int64_t t0, int64_t out
         sum = _mm512_fmadd_ps(sum, part.half[0], _mm512_mul_ps(Combine(chain + kDigits), part.half[1]));
       }
       acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(part.d, _mm512_set1_ps(a.scale[at])), acc[t]);
-      if constexpr (kType == kQ4_0 || kType == kQ4_1 || kType == kQ4_K) {
+      if constexpr (HasMin(kType)) {
         acc[t] = _mm512_fmadd_ps(part.min, _mm512_set1_ps(a.sum[at]), acc[t]);
       }
     }
@@ -313,7 +354,10 @@ const PassFn* PassesFor(int64_t type) {
   switch (type) {
     case kQ4_0: return kPasses<kQ4_0>;
     case kQ4_1: return kPasses<kQ4_1>;
+    case kQ5_0: return kPasses<kQ5_0>;
+    case kQ5_1: return kPasses<kQ5_1>;
     case kQ4_K: return kPasses<kQ4_K>;
+    case kQ5_K: return kPasses<kQ5_K>;
     case kQ6_K: return kPasses<kQ6_K>;
     default: return kPasses<kQ8_0>;
   }
@@ -322,14 +366,10 @@ const PassFn* PassesFor(int64_t type) {
 
 }  // namespace
 
-bool Tiled(int64_t type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K || type == kQ6_K;
-}
-
 bool Vectorized() { return JSERVE_TILES_VNNI; }
 
 int64_t SegmentBytes(int64_t type, int64_t rows, int64_t row_bytes) {
-  return (Tiled(type) ? (rows + kTileRows - 1) / kTileRows * kTileRows : rows) * row_bytes;
+  return (rows + kTileRows - 1) / kTileRows * kTileRows * row_bytes;
 }
 
 void UntileRow(int64_t type, const uint8_t* tiles, int64_t row, int64_t blocks, uint8_t* out) {

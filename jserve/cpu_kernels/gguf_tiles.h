@@ -1,23 +1,24 @@
 // GGUF weights in tiles of 16 rows, multiplied by integer dot products (gguf_tiles.cc).
 //
-// Q4_0, Q4_1 and Q8_0 are blocks of 32 integer codes with a float16 scale (and Q4_1 a float16 minimum):
-// w = d·q (+ m). Q4_K and Q6_K are super-blocks of 256: Q4_K has a float16 d and dmin and per 32 inputs
-// 6-bit integers sc and m (w = d·sc·q − dmin·m), Q6_K a float16 d and per 16 inputs an int8 sc (w =
-// d·sc·(q − 32), its 6-bit codes split into 4 low and 2 high bits). Rows are kept 16 at a time, block by
-// block: a tile block holds each field of the 16 rows' blocks in turn, a float16 as 16 values, anything
-// longer (codes, packed scales) as 64-byte vectors whose lane r is 4 bytes of row r (the codes of 4
-// inputs, or in the 4-bit fields the codes of 4 inputs in the low nibbles and of 4 others in the high
-// ones, as ggml packs them). Bytes and values are the file's; only their order changes, and a tile block
-// takes exactly the 16 blocks' bytes. One 64-byte load then feeds AVX-512 VNNI's vpdpbusd for 16 outputs
-// at once.
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are blocks of 32 integer codes with a float16 scale (and Q4_1, Q5_1 a
+// float16 minimum; Q5_x's 5th bits in a 32-bit word): w = d·q (+ m). Q4_K, Q5_K and Q6_K are super-blocks
+// of 256: Q4_K and Q5_K have a float16 d and dmin and per 32 inputs 6-bit integers sc and m (w = d·sc·q −
+// dmin·m), Q6_K a float16 d and per 16 inputs an int8 sc (w = d·sc·(q − 32), its 6-bit codes split into 4
+// low and 2 high bits). Rows are kept 16 at a time, block by block: a tile block holds each field of the
+// 16 rows' blocks in turn, a float16 as 16 values, anything longer (codes, high bits, packed scales) as
+// 64-byte vectors whose lane r is 4 bytes of row r (the codes of 4 inputs, or in the 4-bit fields the
+// codes of 4 inputs in the low nibbles and of 4 others in the high ones, as ggml packs them). Bytes and
+// values are the file's; only their order changes, and a tile block takes exactly the 16 blocks' bytes.
+// One 64-byte load then feeds AVX-512 VNNI's vpdpbusd for 16 outputs at once; codes split over several
+// fields are put together in registers, once per tile block for all of a step's tokens.
 //
 // The activations meet the codes as integers: per 32 inputs x ≈ s·v with v = round(x / s), s = max|x| /
 // (127·2¹⁴), written as three int8 digits v = 2¹⁴·c2 + 2⁷·c1 + c0 (|c2| ≤ 127, |c1|, |c0| ≤ 64). The
 // codes are exact and the int32 sums Σ q·c are exact, so the only approximation is v's: 2⁻²² of each 32
 // inputs' largest, about float32's own rounding of it, with every token's result independent of the others
 // in its step. (Two digits, 2⁻¹⁵, moved SmolLM2's logits by 0.06.) The float work is a few scales per 32
-// inputs: y += (d·s)·Σq·v (Q4_K's d·sc, Q6_K's sc per 16 inputs: exact in float), and the minimum's (Q4_0's
-// −8·d, Q4_K's −dmin·m) m·Σx with the inputs' float sum.
+// inputs: y += (d·s)·Σq·v (the K-quants' d·sc, Q6_K's sc per 16 inputs: exact in float), and the minimum's
+// (Q4_0's −8·d, Q5_0's −16·d, the K-quants' −dmin·m) m·Σx with the inputs' float sum.
 #pragma once
 
 #include <cstdint>
@@ -27,10 +28,7 @@ namespace jserve::gguf {
 
 constexpr int64_t kTileRows = 16;
 
-// Whether rows of this ggml type are kept in tiles.
-bool Tiled(int64_t type);
-
-// Bytes of `rows` rows of `row_bytes` each: tiled types take whole tiles (the last padded with zero rows).
+// Bytes of `rows` rows of `row_bytes` each, in whole tiles (the last padded with zero rows).
 int64_t SegmentBytes(int64_t type, int64_t rows, int64_t row_bytes);
 
 // Row `row` of a tiled run of rows, `blocks` blocks long, back in ggml's own block layout at `out`.

@@ -22,7 +22,7 @@ from jserve.models.embedding import Embedding
 from jserve.models.linear import Linear
 
 G = GGMLQuantizationType
-KERNEL_TYPES = (G.Q4_0, G.Q4_1, G.Q5_0, G.Q5_1, G.Q8_0, G.Q4_K, G.Q5_K, G.Q6_K)  # gguf_linear.cc's formats
+KERNEL_TYPES = tuple(gguf_tiles.FIELDS)  # the formats gguf_linear.cc multiplies
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,8 @@ def keeps_blocks(ggml_type, shape: Sequence[int]) -> bool:
 
 def fuse_blocks(pieces: Sequence[GgufBlocks | np.ndarray]) -> tuple[np.ndarray, tuple[tuple[int, int], ...]] | None:
     """The flat bytes and (type, rows) segments of a fused projection's pieces, adjacent pieces of one
-    format merged (and laid out in tiles where the kernel takes that format so: cpu_kernels/gguf_tiles.py);
-    None if any piece is float (the caller dequantizes the others)."""
+    format merged, each run laid out in the kernel's tiles (cpu_kernels/gguf_tiles.py); None if any piece
+    is float (the caller dequantizes the others)."""
     if not all(isinstance(piece, GgufBlocks) for piece in pieces):
         return None
     runs: list[tuple[int, list[np.ndarray]]] = []  # adjacent pieces of one format: one segment
@@ -66,7 +66,7 @@ def fuse_blocks(pieces: Sequence[GgufBlocks | np.ndarray]) -> tuple[np.ndarray, 
         else:
             runs.append((piece.ggml_type, [piece.data]))
     rows = [(ggml_type, np.concatenate(parts)) for ggml_type, parts in runs]
-    flat = [gguf_tiles.tile_rows(t, r) if gguf_tiles.tiled(t) else r.reshape(-1) for t, r in rows]
+    flat = [gguf_tiles.tile_rows(t, r) for t, r in rows]
     return np.concatenate(flat), tuple((t, r.shape[0]) for t, r in rows)
 
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve import cpu_kernels
-from jserve.models.gguf_matmul import gguf_matmul
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization, int8_matmul, rows_of
 
@@ -32,7 +31,10 @@ class Embedding(nnx.Module):
     def attend(self, hidden: jax.Array, norm: RMSNorm) -> jax.Array:
         """Logits of norm(hidden) against the embedding table (a tied LM head)."""
         if self.ggml_type is not None:
-            return gguf_matmul(hidden, self.weight[...], ((self.ggml_type, self.vocab_size),), norm=norm.params)
+            logits = cpu_kernels.gguf_linear(
+                hidden, self.weight[...], ((self.ggml_type, self.vocab_size),), norm=norm.params
+            )
+            return logits.astype(hidden.dtype)
         if self.weight_scale is not None:
             weight, scale = self.weight[...], self.weight_scale[...]
             return int8_matmul(hidden, weight, scale, norm=norm.params, group=self.activation_group)

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve import cpu_kernels
 from jserve.models import fused
-from jserve.models.gguf_matmul import gguf_matmul
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization, int8_matmul
 
@@ -45,7 +45,7 @@ class Linear(nnx.Module):
         rows past `real_rows` (int32 [1]: a step's padding; their outputs are zeros)."""
         if self.segments is not None:
             norm = None if norm is None else norm.params
-            y = gguf_matmul(x, self.weight[...], self.segments, real_rows, norm)
+            y = cpu_kernels.gguf_linear(x, self.weight[...], self.segments, real_rows, norm).astype(x.dtype)
         elif self.weight_scale is None:
             x = x if norm is None else norm(x)
             y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
