@@ -62,6 +62,20 @@ def test_default_model_greedy_replies_equal_float32s():
     assert replies["gguf"] == replies["none"]
 
 
+def assert_blocks_match_the_dequantized_file(path, native, exact):
+    """The block weights' prompt logits within 1e-3 of the file dequantized, and the engine's greedy tokens
+    the same on both paths."""
+    ids = prompts(1, seed=4, low=30, high=31)[0]
+    np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-3)
+    batch = prompts(4, seed=5, low=5, high=60)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = {}
+    for quantization in ("none", "gguf"):
+        args = tiny_engine_args(path, quantization=quantization)
+        outputs[quantization] = token_ids(LLM.from_engine_args(args).generate(batch, params, use_tqdm=False))
+    assert outputs["gguf"] == outputs["none"]
+
+
 @pytest.mark.parametrize(
     "variant, qtype",
     [("llama", "Q8_0"), ("qwen2", "Q4_0"), ("phi3", "Q5_0"), ("llama-tied-mqa", "Q4_1"), ("qwen2", "Q5_1")],
@@ -76,15 +90,7 @@ def test_tiny_gguf_blocks_give_the_dequantized_logits_and_tokens(tmp_path, varia
     exact = load_model(tmp_path / "model.gguf", "float32")
     native = load_model(tmp_path / "model.gguf", "float32", quantization="gguf")
     assert len(block_weights(native)) == 1 + 2 * 4 + (not native.config.tie_word_embeddings)
-    ids = prompts(1, seed=4, low=30, high=31)[0]
-    np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-3)
-    batch = prompts(4, seed=5, low=5, high=60)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outputs = {}
-    for quantization in ("none", "gguf"):
-        args = tiny_engine_args(tmp_path / "model.gguf", quantization=quantization)
-        outputs[quantization] = token_ids(LLM.from_engine_args(args).generate(batch, params, use_tqdm=False))
-    assert outputs["gguf"] == outputs["none"]
+    assert_blocks_match_the_dequantized_file(tmp_path / "model.gguf", native, exact)
 
 
 def k_quant_mix(main: str):
@@ -112,15 +118,7 @@ def test_k_quant_blocks_give_the_dequantized_logits_and_tokens(tmp_path, variant
     q, kv = 256, 64 * torch_model.config.num_key_value_heads
     assert held["layers.0.self_attn.qkv_proj"] == ((G[main], q + kv), (G.Q6_K, kv))
     assert held["embed_tokens"] == G[main]
-    ids = prompts(1, seed=4, low=30, high=31)[0]
-    np.testing.assert_allclose(jserve_prompt_logits(native, ids), jserve_prompt_logits(exact, ids), atol=1e-3)
-    batch = prompts(4, seed=5, low=5, high=60)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outputs = {}
-    for quantization in ("none", "gguf"):
-        args = tiny_engine_args(tmp_path / "model.gguf", quantization=quantization)
-        outputs[quantization] = token_ids(LLM.from_engine_args(args).generate(batch, params, use_tqdm=False))
-    assert outputs["gguf"] == outputs["none"]
+    assert_blocks_match_the_dequantized_file(tmp_path / "model.gguf", native, exact)
 
 
 def test_gguf_blocks_need_a_gguf_file_and_float32(tmp_path, tiny_llama_checkpoint):
