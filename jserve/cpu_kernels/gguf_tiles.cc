@@ -42,7 +42,7 @@ struct Field {
 struct Layout {
   int64_t inputs, block_bytes;  // per block
   int count;
-  Field fields[5];
+  Field fields[8];
 
   constexpr int64_t Lane(int f) const { return fields[f].bytes < 4 ? fields[f].bytes : 4; }
   // Where field f starts in a tile block.
@@ -61,10 +61,16 @@ constexpr Layout LayoutOf(int64_t type) {
     case kQ5_1: return {32, 24, 4, {{0, 2}, {2, 2}, {4, 4}, {8, 16}}};              // d, m, 5th bits, codes
     case kQ4_K: return {256, 144, 4, {{0, 2}, {2, 2}, {4, 12}, {16, 128}}};         // d, dmin, scales, codes
     case kQ5_K: return {256, 176, 5, {{0, 2}, {2, 2}, {4, 12}, {16, 32}, {48, 128}}};  // ... 5th bits, codes
-    case kQ6_K: return {256, 210, 4, {{208, 2}, {192, 16}, {0, 128}, {128, 64}}};   // d, scales, low, high
+    // d, scales, then the 4 low bits and 2 high bits of the codes in the order the parts read them
+    // (kQ6Low, kQ6High): one stream through the tile block, not two.
+    case kQ6_K:
+      return {256, 210, 8, {{208, 2}, {192, 16}, {0, 32}, {128, 32}, {32, 32}, {64, 32}, {160, 32}, {96, 32}}};
     default: return {32, 34, 2, {{0, 2}, {2, 32}}};                                 // kQ8_0: d, codes
   }
 }
+
+// Q6_K's fields holding the low bits of half h's streams k = 0, 2 (2h) and 1, 3 (2h + 1), and its high bits.
+constexpr int kQ6Low[4] = {2, 4, 5, 7}, kQ6High[2] = {3, 6};
 
 // Formats of 32-input blocks with 4-bit codes (and a 5th bit), and those with Q4_K's packed 6-bit scales.
 constexpr bool Nibbled(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1; }
@@ -107,8 +113,8 @@ RowPart PartOf(int64_t type, const uint8_t* tb, int r, int j) {
       case kQ5_K: part.q[i] = (byte(4, 32 * (j / 2) + i) >> (4 * (j % 2)) & 0xF) | (byte(3, i) >> j & 1) << 4; break;
       case kQ6_K: {
         const int h = j / 4, k = j % 4;
-        const int32_t low = byte(2, 64 * h + 32 * (k % 2) + i) >> (4 * (k / 2)) & 0xF;
-        part.q[i] = (low | (byte(3, 32 * h + i) >> (2 * k) & 3) << 4) - 32;
+        const int32_t low = byte(kQ6Low[2 * h + k % 2], i) >> (4 * (k / 2)) & 0xF;
+        part.q[i] = (low | (byte(kQ6High[h], i) >> (2 * k) & 3) << 4) - 32;
         break;
       }
       default: {  // Q4_0, Q4_1, Q5_0, Q5_1: input i's 5th bit is bit i of a 32-bit word
@@ -252,7 +258,8 @@ inline void LoadPart(const uint8_t* tb, int j, Part* part) {
       min = _mm512_and_si512(byte(j + 4), _mm512_set1_epi32(63));
     } else {
       const __m512i low = _mm512_set1_epi32(0xF);
-      scale = _mm512_or_si512(_mm512_and_si512(byte(j + 4), low), _mm512_slli_epi32(_mm512_srli_epi32(byte(j - 4), 6), 4));
+      scale = _mm512_or_si512(_mm512_and_si512(byte(j + 4), low),
+                              _mm512_slli_epi32(_mm512_srli_epi32(byte(j - 4), 6), 4));
       min = _mm512_or_si512(_mm512_srli_epi32(byte(j + 4), 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(j), 6), 4));
     }
     part->d = _mm512_mul_ps(part->d, _mm512_cvtepi32_ps(scale));
@@ -263,8 +270,8 @@ inline void LoadPart(const uint8_t* tb, int j, Part* part) {
       const uint8_t* high = tb + kLayout.Offset(3);
       const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << j)), sixteen = _mm512_set1_epi8(16);
       for (int p = 0; p < 8; ++p) {
-        part->codes[p] =
-            _mm512_mask_add_epi8(part->codes[p], _mm512_test_epi8_mask(Vector(high + 64 * p), bit), part->codes[p], sixteen);
+        const __mmask64 set = _mm512_test_epi8_mask(Vector(high + 64 * p), bit);
+        part->codes[p] = _mm512_mask_add_epi8(part->codes[p], set, part->codes[p], sixteen);
       }
     }
   } else {  // kQ6_K: part j is stream k of half h; its 6-bit codes are 4 bits of `low` and 2 of `high`
@@ -272,8 +279,11 @@ inline void LoadPart(const uint8_t* tb, int j, Part* part) {
     const __m512i scales = Vector(tb + kLayout.Offset(1) + 64 * (2 * h + k / 2));
     part->half[0] = SignedLaneByte(scales, 2 * (k % 2));
     part->half[1] = SignedLaneByte(scales, 2 * (k % 2) + 1);
-    const uint8_t* low = tb + kLayout.Offset(2) + 64 * (16 * h + 8 * (k % 2));
-    const uint8_t* high = tb + kLayout.Offset(3) + 64 * 8 * h;
+    constexpr int64_t kLowAt[4] = {kLayout.Offset(kQ6Low[0]), kLayout.Offset(kQ6Low[1]), kLayout.Offset(kQ6Low[2]),
+                                   kLayout.Offset(kQ6Low[3])};
+    constexpr int64_t kHighAt[2] = {kLayout.Offset(kQ6High[0]), kLayout.Offset(kQ6High[1])};
+    const uint8_t* low = tb + kLowAt[2 * h + k % 2];
+    const uint8_t* high = tb + kHighAt[h];
     switch (k) {
       case 0: Q6Codes<0>(low, high, part->codes); break;
       case 1: Q6Codes<1>(low, high, part->codes); break;
@@ -379,7 +389,8 @@ void UntileRow(int64_t type, const uint8_t* tiles, int64_t row, int64_t blocks, 
     const uint8_t* tb = TileBlock(tiles, type, blocks, tile, b);
     uint8_t* block = out + b * layout.block_bytes;
     for (int f = 0; f < layout.count; ++f) {
-      for (int64_t i = 0; i < layout.fields[f].bytes; ++i) block[layout.fields[f].at + i] = FieldByte(layout, tb, f, r, i);
+      const Field field = layout.fields[f];
+      for (int64_t i = 0; i < field.bytes; ++i) block[field.at + i] = FieldByte(layout, tb, f, r, i);
     }
   }
 }

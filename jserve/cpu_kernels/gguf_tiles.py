@@ -23,7 +23,8 @@ FIELDS = {
     G.Q8_0: ((0, 2), (2, 32)),  # d, codes
     G.Q4_K: ((0, 2), (2, 2), (4, 12), (16, 128)),  # d, dmin, 6-bit scales and minima, codes
     G.Q5_K: ((0, 2), (2, 2), (4, 12), (16, 32), (48, 128)),  # the same with 5th bits
-    G.Q6_K: ((208, 2), (192, 16), (0, 128), (128, 64)),  # d, int8 scales, low 4 bits, high 2 bits
+    # d, int8 scales, then the codes' low 4 and high 2 bits in the order the kernel reads them
+    G.Q6_K: ((208, 2), (192, 16), (0, 32), (128, 32), (32, 32), (64, 32), (160, 32), (96, 32)),
 }
 
 
