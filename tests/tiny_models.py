@@ -230,17 +230,13 @@ def quantize_blocks(w: np.ndarray, qtype) -> np.ndarray:
     return quantize(w, qtype)
 
 
-def _half(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16)
-
-
 def _q4_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
     """Q4_K, or with bits=5 Q5_K (the same with a 5th bit per code in 32 bytes before the nibbles)."""
     top = 2**bits - 1
     x = w.reshape(-1, 8, 32)  # super-blocks of 8 sub-blocks
     low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
-    d = _half((high - low).max(-1) / top / 63)
-    dmin = _half((-low).max(-1) / 63)
+    d = ((high - low).max(-1) / top / 63).astype(np.float16)
+    dmin = ((-low).max(-1) / 63).astype(np.float16)
     d32, dmin32 = (np.where(v == 0, 1, v).astype(np.float32)[:, None] for v in (d, dmin))
     sc = np.clip(np.rint((high - low) / top / d32), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(-low / dmin32), 0, 63).astype(np.uint8)
@@ -261,7 +257,7 @@ def _q4_k(w: np.ndarray, bits: int = 4) -> np.ndarray:
 def _q6_k(w: np.ndarray) -> np.ndarray:
     x = w.reshape(-1, 16, 16)  # super-blocks of 16 sub-blocks
     sub = np.abs(x).max(-1) / 31
-    d = _half(sub.max(-1) / 127)
+    d = (sub.max(-1) / 127).astype(np.float16)
     d32 = np.where(d == 0, 1, d).astype(np.float32)[:, None]
     sc = np.clip(np.rint(sub / d32), -128, 127).astype(np.int8)
     step = (d.astype(np.float32)[:, None] * sc)[..., None]
@@ -286,9 +282,8 @@ def write_gguf(
     """Write `model` (saved with its tokenizer in `folder`) as a GGUF file the way llama.cpp lays it out.
 
     2-D weights are stored as `qtype` (e.g. Q8_0, or a function of the GGUF tensor name) when given,
-    everything else as `float_dtype`. Experts are
-    stacked per projection (ffn_gate_exps), or one tensor per expert (blk.N.ffn_gate.E) if `split_experts`,
-    as older Mixtral files have them.
+    everything else as `float_dtype`. Experts are stacked per projection (ffn_gate_exps), or one tensor per
+    expert (blk.N.ffn_gate.E) if `split_experts`, as older Mixtral files have them.
     """
     import gguf
 

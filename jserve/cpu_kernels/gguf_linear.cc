@@ -264,21 +264,12 @@ void DequantizeRow(int64_t type, const uint8_t* in, int64_t blocks, float* out) 
 }
 
 constexpr int64_t kRowsPerNorm = 8;
-constexpr int64_t kTokenTile = 64;  // tokens per work item of a tiled segment: their digits stay in L2
+constexpr int64_t kTokenTile = 64;  // tokens per work item: their digits stay in L2
 constexpr int64_t kWorkPerItem = int64_t{1} << 17;  // multiply-adds per work item
-
-// use(bytes of row `row`, in ggml's block layout) for a tiled run of rows in `type` starting at `rows`.
-template <typename Use>
-void RowBytes(int64_t type, const uint8_t* rows, int64_t row, int64_t blocks, int64_t row_bytes, const Use& use) {
-  thread_local std::vector<uint8_t> bytes;
-  bytes.resize(row_bytes);
-  jserve::gguf::UntileRow(type, rows, row, blocks, bytes.data());
-  use(bytes.data());
-}
 
 // A weight's runs of rows, each in one format: where its rows and bytes start.
 struct Segment {
-  int64_t type, rows, row_bytes, blocks, first_row, offset;
+  int64_t type, rows, first_row, offset;
 };
 
 // The segments of a weight of rows `depth` weights long from the `types` and `rows` attributes, with the
@@ -289,10 +280,9 @@ bool ParseSegments(ffi::Span<const int64_t> types, ffi::Span<const int64_t> rows
   for (size_t s = 0; s < types.size(); ++s) {
     Format format;
     if (!FormatOf(types[s], &format) || depth % format.block) return false;
-    const int64_t blocks = depth / format.block;
-    segments->push_back({types[s], rows[s], blocks * format.bytes, blocks, *outputs, *bytes});
+    segments->push_back({types[s], rows[s], *outputs, *bytes});
     *outputs += rows[s];
-    *bytes += jserve::gguf::SegmentBytes(types[s], rows[s], blocks * format.bytes);
+    *bytes += jserve::gguf::SegmentBytes(rows[s], depth / format.block * format.bytes);
   }
   return true;
 }
@@ -376,10 +366,11 @@ ffi::Error GgufRows(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32> ids, ffi::
   }
   const int64_t depth = y_dims[1], blocks = depth / format.block, row_bytes = blocks * format.bytes;
   const int64_t table_rows = static_cast<int64_t>(table.element_count()) / row_bytes;
+  std::vector<uint8_t> row(row_bytes);  // the row back in ggml's block layout
   for (int64_t i = 0; i < ids.element_count(); ++i) {
     const int64_t id = std::clamp<int64_t>(ids.typed_data()[i], 0, table_rows - 1);  // as XLA's gather clamps
-    RowBytes(type, table.typed_data(), id, blocks, row_bytes,
-             [&](const uint8_t* row) { DequantizeRow(type, row, blocks, y->typed_data() + i * depth); });
+    jserve::gguf::UntileRow(type, table.typed_data(), id, blocks, row.data());
+    DequantizeRow(type, row.data(), blocks, y->typed_data() + i * depth);
   }
   return ffi::Error::Success();
 }

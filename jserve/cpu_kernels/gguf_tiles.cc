@@ -82,6 +82,9 @@ const uint8_t* TileBlock(const uint8_t* tiles, int64_t type, int64_t blocks, int
   return tiles + (tile * blocks + block) * kTileRows * LayoutOf(type).block_bytes;
 }
 
+// The format's blocks per row for activations of a.blocks blocks of 32 inputs.
+int64_t BlocksPerRow(int64_t type, const Activations& a) { return a.blocks * kBlock / LayoutOf(type).inputs; }
+
 // Byte i of row r's field f in a tile block.
 uint8_t FieldByte(const Layout& layout, const uint8_t* tile_block, int f, int r, int64_t i) {
   const int64_t lane = layout.Lane(f);
@@ -144,7 +147,7 @@ RowPart PartOf(int64_t type, const uint8_t* tb, int r, int j) {
 [[maybe_unused]] void ScalarRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_begin, int64_t tile_end,
                                  const Activations& a, int64_t token_begin, int64_t token_end, int64_t outputs,
                                  int64_t first_row, float* y) {
-  const int64_t parts = LayoutOf(type).inputs / kBlock, blocks = a.blocks / parts;
+  const int64_t parts = LayoutOf(type).inputs / kBlock, blocks = BlocksPerRow(type, a);
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     for (int r = 0; r < kTileRows && tile * kTileRows + r < rows; ++r) {
       for (int64_t t = token_begin; t < token_end; ++t) {
@@ -378,7 +381,7 @@ const PassFn* PassesFor(int64_t type) {
 
 bool Vectorized() { return JSERVE_TILES_VNNI; }
 
-int64_t SegmentBytes(int64_t type, int64_t rows, int64_t row_bytes) {
+int64_t SegmentBytes(int64_t rows, int64_t row_bytes) {
   return (rows + kTileRows - 1) / kTileRows * kTileRows * row_bytes;
 }
 
@@ -458,7 +461,7 @@ void TiledRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_be
 #if JSERVE_TILES_VNNI
   const PassFn* passes = PassesFor(type);
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    const uint8_t* first = TileBlock(tiles, type, a.blocks * kBlock / LayoutOf(type).inputs, tile, 0);
+    const uint8_t* first = TileBlock(tiles, type, BlocksPerRow(type, a), tile, 0);
     const int64_t n = std::min(kTileRows, rows - tile * kTileRows);
     for (int64_t t = token_begin; t < token_end; t += kTokensPerPass) {
       const int64_t count = std::min<int64_t>(kTokensPerPass, token_end - t);

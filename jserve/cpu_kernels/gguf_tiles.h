@@ -29,7 +29,7 @@ namespace jserve::gguf {
 constexpr int64_t kTileRows = 16;
 
 // Bytes of `rows` rows of `row_bytes` each, in whole tiles (the last padded with zero rows).
-int64_t SegmentBytes(int64_t type, int64_t rows, int64_t row_bytes);
+int64_t SegmentBytes(int64_t rows, int64_t row_bytes);
 
 // Row `row` of a tiled run of rows, `blocks` blocks long, back in ggml's own block layout at `out`.
 void UntileRow(int64_t type, const uint8_t* tiles, int64_t row, int64_t blocks, uint8_t* out);
