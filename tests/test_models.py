@@ -6,8 +6,8 @@
 import numpy as np
 import pytest
 
-from jserve.config import MODEL_TYPES
 from jserve.loader import load_model
+from jserve.loader.hf_config import MODEL_TYPES
 from jserve.models import fused
 
 from tiny_models import (

@@ -14,17 +14,19 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jserve import cpu_kernels
-from jserve.config import ModelConfig, read_hf_config
+from jserve.config import ModelConfig
 from jserve.loader.default_model import default_model_path
 from jserve.loader.expert_tensors import stack_expert_tensors
 from jserve.loader.fused_tensors import split_fused_tensors
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
+from jserve.loader.hf_config import read_hf_config
 from jserve.loader.norm_offset import offset_norms
 from jserve.loader.orbax_io import read_orbax, read_orbax_config, save_orbax
 from jserve.loader.quantize import quantize_model
 from jserve.loader.random_weights import random_params, shape_config
 from jserve.loader.resolve import ModelSource, resolve_model
 from jserve.loader.safetensors_source import count_tensors, iter_safetensors, safetensors_files
+from jserve.loader.text_model import text_model_tensors
 from jserve.loader.weights import assemble
 from jserve.models.quantization import AUTO, QUANTIZATIONS, Quantization
 from jserve.parallel import WeightPlacement
@@ -106,7 +108,10 @@ def load_model(
         graphdef, params = assemble(
             placement,
             offset_norms(
-                split_fused_tensors(stack_expert_tensors(iter_safetensors(files), config, name), config), config
+                split_fused_tensors(
+                    stack_expert_tensors(text_model_tensors(iter_safetensors(files), name), config, name), config
+                ),
+                config,
             ),
             target_dtype,
             name,
