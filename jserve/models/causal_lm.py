@@ -7,7 +7,6 @@ names the checkpoint tensors it holds (fused.py).
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import jax
@@ -21,7 +20,7 @@ from jserve.models.embedding import Embedding
 from jserve.models.linear import Linear
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
-from jserve.models.rotary import attention_factor, inverse_frequencies, rope_angles
+from jserve.models.rotary import attention_factor, inverse_frequencies, rope_angles, sliding_layers_rope
 from jserve.models.sandwich_decoder import SandwichDecoderLayer
 from jserve.parallel import Parallelism
 
@@ -71,9 +70,8 @@ class CausalLM(nnx.Module):
         # (the frequencies and the factor are trace-time constants)
         rope = rope_angles(meta.positions, inverse_frequencies(config), attention_factor(config))
         local_rope = rope
-        if config.local_rope_theta is not None:  # Gemma 3: sliding-window layers rotate with a base of their own
-            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
-            local_rope = rope_angles(meta.positions, inverse_frequencies(local))
+        if (local := sliding_layers_rope(config)) is not config:  # Gemma 3: a base of their own
+            local_rope = rope_angles(meta.positions, inverse_frequencies(local), attention_factor(local))
         x = self.embed_tokens(batch.token_ids)
         if config.embedding_multiplier != 1.0:
             x = x * jnp.asarray(config.embedding_multiplier, x.dtype)

@@ -3,6 +3,7 @@ with `linear`, Llama 3.x `llama3` and Phi-3 `longrope` frequency scaling."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -21,6 +22,13 @@ def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     if config.rope_freq_factors is not None:
         inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float32)
     return inv_freq.astype(np.float32)
+
+
+def sliding_layers_rope(config: ModelConfig) -> ModelConfig:
+    """The config sliding-window layers rotate by: Gemma 3's local base, unscaled; the model's own otherwise."""
+    if config.local_rope_theta is None:
+        return config
+    return dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
 
 
 def attention_factor(config: ModelConfig) -> float:
