@@ -9,6 +9,8 @@ token-exact with transformers, float32 greedy, on prompts longer than its window
 
 import copy
 import json
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -17,11 +19,14 @@ import transformers
 from published_configs import PUBLISHED_CONFIGS
 
 from jserve import LLM, SamplingParams
+from jserve.errors import ModelLoadError
+from jserve.loader import load_model
 from jserve.loader.hf_config import config_from_hf
 from jserve.models.rotary import attention_factor, inverse_frequencies, sliding_layers_rope
 
 from tiny_models import (
     VOCAB_SIZE,
+    jserve_prompt_logits,
     reference_greedy,
     reference_logits,
     release_compiled,
@@ -226,3 +231,46 @@ def test_shrunken_copy_is_token_exact(shrunken):
     llm = LLM.from_engine_args(tiny_engine_args(folder, max_model_len=128, kv_cache_memory=tiny_kv_bytes(64) * 6))
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected, f"windows {windows}"
+
+
+# A config.json naming nothing but its architecture: every field from the family's defaults.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHITECTURES))
+def test_fields_left_out_take_transformers_defaults(model_type):
+    config = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type}
+    assert_same_facts(jserve_facts(config, model_type), transformers_facts(transformers_model(config)))
+
+
+def test_multimodal_checkpoint_serves_its_text_model(tmp_path, caplog):
+    """Gemma 3's image-and-text checkpoints: the text model loads from its language_model tensors, and the log
+    says the vision tower is not loaded."""
+    config = shrink(PUBLISHED_CONFIGS["google/gemma-3-4b-it"])
+    model = transformers_model(config, device="cpu")
+    model.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="jserve"):
+        loaded = load_model(tmp_path, dtype="float32")
+    assert "the vision tower is not loaded" in caplog.text
+    assert re.search(r"\d+ vision tensors not loaded", caplog.text)
+    ids = np.random.default_rng(4).integers(0, VOCAB_SIZE, 20).tolist()
+    np.testing.assert_allclose(jserve_prompt_logits(loaded, ids), reference_logits(model, ids), atol=1e-4, rtol=0)
+
+
+def test_other_multimodal_architectures_are_refused():
+    config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+              "text_config": {"model_type": "llama"}, "vision_config": {}}  # fmt: skip
+    with pytest.raises(ModelLoadError, match="multimodal architecture.*LlavaForConditionalGeneration"):
+        config_from_hf(config, "config.json")

@@ -2,8 +2,9 @@
 
 Published configs are not complete: Gemma 3's multimodal checkpoints give their text model only a handful of
 fields, Mistral's sliding window is on unless a config says otherwise, Gemma ties its head by default. Reading
-a file as transformers does means starting from the same defaults (its config classes' own values;
-tests/test_hf_config.py checks every entry against them). `None` is a default of "absent" (derived later).
+a file as transformers does means starting from the same defaults, its config classes' own values
+(tests/test_published_configs.py reads a config naming only its architecture both ways). `None` is a
+default of "absent", derived later (num_key_value_heads: one per head; head_dim: hidden_size / heads).
 """
 
 from __future__ import annotations
