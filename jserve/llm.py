@@ -15,9 +15,8 @@ from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
 from jserve.tools import get_tool_parser
+from jserve.tools.chat_tools import ChatTools
 from jserve.tools.extract import ToolCalls
-from jserve.tools.forced import forced_constraint
-from jserve.tools.prompt import renders_tools, template_inputs
 from jserve.tools.spec import parse_tool_use
 
 Prompt = str | list[int]
@@ -84,18 +83,19 @@ class LLM:
 
         With `tools` (OpenAI's format), each finished completion's `tool_calls` holds the calls the model made
         (read by `tool_parser`, or, for tool_choice "required" or a named function, generated under a grammar
-        of the tools' schemas) and its `text` the content around them."""
+        of the tools' schemas) and its `text` the content around them. A forced call's grammar cannot be
+        combined with sampling params' own structured_outputs: a ValueError, as the server answers a 400."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls}
         use = parse_tool_use({key: value for key, value in options.items() if value is not None})
-        native = renders_tools(self.tokenizer.chat_template)
+        chat = ChatTools(use, self.tokenizer.chat_template)
         prompts = []
         for conversation in conversations:
-            rendered, template_tools = template_inputs(list(conversation), use.tools if use else (), native)
+            rendered, template_tools = chat.template_inputs(list(conversation))
             prompts.append(self.tokenizer.encode_chat(rendered, add_generation_prompt, tools=template_tools))
-        if use is not None and use.choice.forced:
-            sampling_params = _with_constraint(sampling_params, forced_constraint(use), len(prompts))
-        outputs = self._run(prompts, sampling_params, use_tqdm, None)
+        params = [replace(p, structured_outputs=chat.constraint(p.structured_outputs))
+                  for p in _per_prompt(sampling_params, len(prompts))]  # fmt: skip
+        outputs = self._run(prompts, params, use_tqdm, None)
         if use is None:
             return outputs
         calls = ToolCalls(use, get_tool_parser(tool_parser))
@@ -131,12 +131,7 @@ class LLM:
         return None, list(prompt)
 
     def _run(self, prompts: list[PromptIds], sampling_params, use_tqdm, priority) -> list[RequestOutput]:
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = _per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         ids: list[str] = []
         try:
@@ -166,11 +161,14 @@ class LLM:
         return [done[i] for i in ids]
 
 
-def _with_constraint(params, constraint, count: int) -> list[SamplingParams]:
-    """Each prompt's params with the output constrained (forced tool calls)."""
-    if params is None or isinstance(params, SamplingParams):
-        params = [params or SamplingParams()] * count
-    return [replace(p, structured_outputs=constraint) for p in params]
+def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt, from None (the defaults), one for all, or one each."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return params
 
 
 _engines: dict[str, LLM] = {}

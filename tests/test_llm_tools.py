@@ -6,6 +6,7 @@ import jsonschema
 import pytest
 
 from jserve import SamplingParams
+from jserve.structured import StructuredOutputsParams
 
 from server_utils import TINY_CHAT_TEMPLATE
 from test_engine import tiny_llm
@@ -64,3 +65,22 @@ def test_without_tools_nothing_is_parsed(llm):
         ASK, SamplingParams(temperature=0, max_tokens=5), tools=[WEATHER], tool_choice="none", use_tqdm=False
     )
     assert out.outputs[0].tool_calls == []
+
+
+def test_a_forced_call_and_structured_outputs_are_refused_together(llm):
+    """As the server refuses them (a 400): the forced call's grammar would replace the caller's, or the other
+    way round."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json_object=True))
+    for choice in (named, "required"):
+        with pytest.raises(ValueError, match="structured_outputs"):
+            llm.chat(ASK, params, tools=[WEATHER], tool_choice=choice, use_tqdm=False)
+    [out] = llm.chat(ASK, params, tools=[WEATHER], tool_choice="none", use_tqdm=False)  # nothing forced
+    assert out.outputs[0].tool_calls == []
+
+
+def test_a_tool_whose_parameters_are_no_schema_is_named(llm):
+    broken = {"type": "function", "function": {"name": "broken", "parameters": {"type": "strin"}}}
+    with pytest.raises(ValueError, match="'broken'.*not a valid JSON schema") as error:
+        llm.chat(ASK, SamplingParams(max_tokens=5), tools=[WEATHER, broken], tool_choice="required", use_tqdm=False)
+    assert error.value.param == "tools"

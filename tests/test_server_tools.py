@@ -47,6 +47,7 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+BROKEN = {"type": "function", "function": {"name": "broken", "parameters": {"type": "strin"}}}
 
 
 @pytest.fixture(scope="module")
@@ -95,12 +96,13 @@ def streamed_calls(stream) -> tuple[str, list[tuple[str, str]], str]:
 def test_a_named_tool_choice_returns_a_valid_call_streamed_or_not(client):
     kwargs = dict(model=SMOLLM2, messages=ASK, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=60)
     reply = client.chat.completions.create(**kwargs).choices[0]
-    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    # OpenAI and vLLM end a named call with "stop"; "tool_calls" is for "auto" and "required"
+    assert reply.finish_reason == "stop" and reply.message.content is None
     [call] = reply.message.tool_calls
     assert call.function.name == "get_weather"
     valid_call(call)
     content, calls, finish = streamed_calls(client.chat.completions.create(stream=True, **kwargs))
-    assert (content, calls, finish) == ("", [(call.function.name, call.function.arguments)], "tool_calls")
+    assert (content, calls, finish) == ("", [(call.function.name, call.function.arguments)], "stop")
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -156,6 +158,11 @@ def test_auto_needs_the_flag(tiny_server):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
          "response format"),
+        ({"tools": TOOLS, "tool_choice": NAMED, "structured_outputs": {"regex": "a+"}}, "tool_choice",
+         "structured_outputs"),
+        ({"tools": [BROKEN], "tool_choice": {"type": "function", "function": {"name": "broken"}}}, "tools",
+         "'broken'"),
+        ({"tools": [WEATHER, BROKEN], "tool_choice": "required"}, "tools", "'broken'"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
         ({"messages": [{"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}]},
          "messages", "tool_calls"),

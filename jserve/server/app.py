@@ -29,10 +29,8 @@ from jserve.server.protocol import GenerationRequest, parse_chat, parse_completi
 from jserve.server.request_body import read_json_object
 from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
 from jserve.tools import get_tool_parser
+from jserve.tools.chat_tools import ChatTools
 from jserve.tools.extract import ToolCalls
-from jserve.tools.forced import forced_constraint
-from jserve.tools.prompt import renders_tools, template_inputs
-from jserve.tools.spec import Tool
 
 UNPROTECTED_PATHS = {"/health", "/metrics", "/version"}
 
@@ -73,8 +71,7 @@ class OpenAIServer:
         gen = parse_chat(await self._read_json(request))
         self._check_model(gen.model)
         tools = self._tool_calls(gen)
-        tool_list = gen.tool_use.tools if gen.tool_use else ()
-        prompts = [await run_in_threadpool(self._chat_prompt, gen.messages, gen.add_generation_prompt, tool_list)]
+        prompts = [await run_in_threadpool(self._chat_request_prompt, gen)]
         builder = ChatResponses(self.settings.served_model_name, gen.params.n, gen.params.logprobs or 0, tools,
                                 prompt_logprobs=gen.return_prompt_logprobs)  # fmt: skip
         return await self._generate(request, gen, prompts, builder)
@@ -103,7 +100,8 @@ class OpenAIServer:
         body = parse_tokenize(await self._read_json(request))
         self._check_model(body.model)
         if body.messages is not None:
-            prompt = await run_in_threadpool(self._chat_prompt, body.messages, body.add_generation_prompt)
+            chat = ChatTools(None, self.engine.info.tokenizer.chat_template)
+            prompt = await run_in_threadpool(self._chat_prompt, body.messages, body.add_generation_prompt, chat)
             tokens = prompt.token_ids
         else:
             tokens = await run_in_threadpool(self.engine.info.tokenizer.encode, body.prompt, body.add_special_tokens)
@@ -185,25 +183,31 @@ class OpenAIServer:
         return prompts
 
     def _tool_calls(self, gen: GenerationRequest) -> ToolCalls | None:
-        """How the request's output becomes tool calls; a forced call's grammar goes into its params."""
+        """How the request's output becomes tool calls."""
         use = gen.tool_use
         if use is None:
             return None
         if use.choice.mode == "auto" and not (self.settings.enable_auto_tool_choice and self.settings.tool_call_parser):
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                               "tool_choice")  # fmt: skip
-        if use.choice.forced:
-            if gen.params.structured_outputs is not None:
-                raise bad_request("a forced tool choice cannot be combined with a response format", "tool_choice")
-            gen.params = replace(gen.params, structured_outputs=forced_constraint(use))
         parser = self.settings.tool_call_parser
         return ToolCalls(use, get_tool_parser(parser) if parser else None)
 
-    def _chat_prompt(
-        self, messages: list[dict], add_generation_prompt: bool, tools: tuple[Tool, ...] = ()
-    ) -> PromptInput:
+    def _chat_request_prompt(self, gen: GenerationRequest) -> PromptInput:
+        """A chat request's prompt, its tools prepared as LLM.chat prepares them: a forced call's grammar goes
+        into its params."""
+        try:
+            chat = ChatTools(gen.tool_use, self.engine.info.tokenizer.chat_template)
+            gen.params = replace(gen.params, structured_outputs=chat.constraint(gen.params.structured_outputs))
+        except RequestError as err:
+            raise bad_request(str(err), err.param) from None
+        if chat.forced is not None:
+            gen.structured_param = "tools"  # where a grammar that does not compile came from
+        return self._chat_prompt(gen.messages, gen.add_generation_prompt, chat)
+
+    def _chat_prompt(self, messages: list[dict], add_generation_prompt: bool, chat: ChatTools) -> PromptInput:
         tokenizer = self.engine.info.tokenizer
-        messages, template_tools = template_inputs(messages, tools, renders_tools(tokenizer.chat_template))
+        messages, template_tools = chat.template_inputs(messages)
         try:
             text, token_ids = tokenizer.encode_chat(messages, add_generation_prompt, tools=template_tools)
         except ValueError as err:

@@ -188,7 +188,7 @@ class ChatResponses(ResponseBuilder):
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [_tool_call(call) for call in parsed.tool_calls]
-                finish_reason = "tool_calls"
+                finish_reason = self._called(finish_reason)
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason}  # fmt: skip
 
@@ -206,8 +206,13 @@ class ChatResponses(ResponseBuilder):
                 delta["tool_calls"] = [_tool_call_delta(d) for d in settled.tool_calls]
                 self.calls_sent[index] = self.calls_sent.get(index, 0) + len(settled.tool_calls)
             if finish_reason is not None and self.calls_sent.get(index):
-                finish_reason = "tool_calls"
+                finish_reason = self._called(finish_reason)
         return self._envelope([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
+
+    def _called(self, finish_reason: str) -> str:
+        """A choice's finish reason once it made calls: OpenAI's and vLLM's "tool_calls", but for a named
+        function, which they end as it ended ("stop")."""
+        return finish_reason if self.tools.use.choice.mode == "named" else "tool_calls"
 
 
 def _tool_call(call: ToolCall) -> dict:

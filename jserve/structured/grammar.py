@@ -33,3 +33,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llg.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
     except Exception as error:  # llguidance's and the GBNF converter's own errors: bad input, named
         raise RequestError(f"structured outputs: invalid {kind}: {error}", PARAM) from None
+
+
+def schema_error(schema: dict | bool) -> str | None:
+    """What makes a JSON schema unusable as a constraint, found without a vocabulary (so before a request
+    reaches the engine, whose compiler would name only the constraint); None if nothing does."""
+    try:
+        return llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(schema)) or None
+    except Exception as error:  # llguidance's own errors: the schema's fault
+        return str(error)
