@@ -12,18 +12,16 @@ from server_utils import free_port, wait_until
 from tiny_models import tiny_kv_bytes
 
 
-def start(model: str, port: int) -> subprocess.Popen:
+def start(model: str, port: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jserve", "serve", model, "--port", str(port), "--served-model-name", "tiny",
            "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-           "--kv-cache-memory", str(tiny_kv_bytes(64)), "--no-enable-prefix-caching"]  # fmt: skip
+           "--kv-cache-memory", str(tiny_kv_bytes(64)), "--no-enable-prefix-caching", *flags]  # fmt: skip
     env = os.environ | {"JAX_PLATFORMS": "cpu"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def test_serve_reports_loading_then_drains_on_sigterm(tiny_llama_checkpoint):
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = start(str(tiny_llama_checkpoint[0]), port)
+def wait_ready(proc: subprocess.Popen, base: str) -> list[str]:
+    """The /health statuses seen until the server is ready."""
     statuses = []
 
     def health() -> bool:
@@ -34,8 +32,16 @@ def test_serve_reports_loading_then_drains_on_sigterm(tiny_llama_checkpoint):
         statuses.append(response.json()["status"])
         return response.status_code == 200
 
+    wait_until(health, timeout=300)
+    return statuses
+
+
+def test_serve_reports_loading_then_drains_on_sigterm(tiny_llama_checkpoint):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start(str(tiny_llama_checkpoint[0]), port)
     try:
-        wait_until(health, timeout=300)
+        statuses = wait_ready(proc, base)
         assert proc.poll() is None, proc.stdout.read()
         assert statuses[0] == "loading" and statuses[-1] == "ready"
 
@@ -54,6 +60,32 @@ def test_serve_reports_loading_then_drains_on_sigterm(tiny_llama_checkpoint):
             proc.kill()
     log = proc.stdout.read()
     assert "Draining" in log, log
+
+
+def test_a_stream_the_shutdown_timeout_cuts_ends_with_an_error_event(tiny_llama_checkpoint):
+    """Not cut like a dropped connection: the engine ends what is in flight just before uvicorn would cancel
+    it, so the client reads an error event and [DONE], and can tell a shutdown from a network fault."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    # No time to finish: uvicorn cancels what is left within 0.2 s of the signal (a stream this long takes
+    # longer), and the engine, whose margin is more than that, ends it at once.
+    proc = start(str(tiny_llama_checkpoint[0]), port, "--shutdown-timeout", "0")
+    try:
+        wait_ready(proc, base)
+        assert proc.poll() is None, proc.stdout.read()
+        body = {"model": "tiny", "prompt": "cut me", "max_tokens": 240, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]  # a cut connection raises here
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert "shut down" in error["message"] and error["type"] == "server_error"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_serve_exits_non_zero_when_the_model_fails_to_load(tmp_path):

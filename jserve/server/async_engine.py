@@ -31,6 +31,8 @@ from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jserve")
 
+SHUT_DOWN = "the server shut down before this request finished"
+
 
 class EngineState(enum.Enum):
     LOADING = "loading"
@@ -118,6 +120,7 @@ class AsyncEngine:
         self.submissions: set[Submission] = set()  # event-loop side: open submissions
         self._routes: dict[str, Submission] = {}  # engine-thread side: request id -> its submission
         self._ids = itertools.count()
+        self._abort_at: float | None = None  # draining: when what is still in flight is ended (time.monotonic)
         self._thread = threading.Thread(target=self._run, name="jserve-engine", daemon=True)
 
     # --- event-loop side -------------------------------------------------------------------------
@@ -153,10 +156,14 @@ class AsyncEngine:
     def forget(self, submission: Submission) -> None:
         self.submissions.discard(submission)
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, abort_after: float | None = None) -> None:
+        """Take no new requests; those in flight finish, or after `abort_after` seconds end with an error
+        (EngineError), so that their responses and streams end themselves before the server gives up on them."""
         if self.state is EngineState.READY:
             self.state = EngineState.DRAINING
             log.info("Draining: finishing %d requests in flight, accepting no new ones", len(self.submissions))
+            if abort_after is not None:
+                self._abort_at = time.monotonic() + abort_after
 
     def shutdown(self) -> None:
         """Abort what is still running and stop the engine thread."""
@@ -192,6 +199,9 @@ class AsyncEngine:
         while True:
             if not self._take_commands(block=not engine.has_unfinished_requests()):
                 break
+            if self._routes and self._abort_at is not None and time.monotonic() >= self._abort_at:
+                log.warning("Shutdown timeout: aborting the %d requests still in flight", len(self._routes))
+                self._fail_all(EngineError(SHUT_DOWN))
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -201,7 +211,7 @@ class AsyncEngine:
                 self._fail_all(EngineError(f"engine step failed: {err}"))
                 continue
             self._deliver(outputs)
-        self._fail_all(EngineError("the server is shutting down"))
+        self._fail_all(EngineError(SHUT_DOWN))
         engine.close()
 
     def _fail_load(self) -> None:

@@ -15,6 +15,10 @@ from jserve.server.async_engine import AsyncEngine, EngineState
 
 log = logging.getLogger("jserve")
 
+# Requests still in flight this long before the shutdown timeout are ended by the engine, so their streams
+# close with an error event; uvicorn, at the timeout, would cut them like a dropped connection.
+ABORT_MARGIN_S = 1.0
+
 
 class DrainingServer(uvicorn.Server):
     """On a stop signal, /health turns 503 and new requests are refused while those in flight finish."""
@@ -24,7 +28,7 @@ class DrainingServer(uvicorn.Server):
         self.engine = engine
 
     def handle_exit(self, sig, frame) -> None:
-        self.engine.begin_drain()
+        self.engine.begin_drain(abort_after=max(0.0, self.config.timeout_graceful_shutdown - ABORT_MARGIN_S))
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
