@@ -241,6 +241,9 @@ def test_64_concurrent_streams(server):
         ({"prompt": [VOCAB_SIZE + 5]}, "prompt", "vocabulary"),
         ({"prompt": list(range(3, 300))}, "prompt", "297 tokens, but max_model_len is 256"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"prompt": "x", "suffix": 0}, "suffix", "string"),
+        ({"prompt": "x", "suffix": {}}, "suffix", "string"),
+        ({"prompt": "x", "suffix": "tail"}, "suffix", "not supported"),
         ({}, "prompt", "prompt"),
     ],
 )

@@ -102,6 +102,21 @@ def test_user_is_accepted_and_message_names_reach_the_template(server):
     )
 
 
+def test_unknown_message_fields_are_ignored_and_known_ones_still_checked(server):
+    """As vLLM: clients and agent frameworks add their own fields to messages (ids, reasoning_content)."""
+    messages = [{"role": "user", "content": "hi", "extra_field": 1, "id": "m-1"},
+                {"role": "assistant", "content": "yes", "reasoning_content": "thought"},
+                {"role": "user", "content": "go on"}]  # fmt: skip
+    body = {"model": MODEL, "messages": messages, "max_tokens": 2}
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    plain = [{key: m[key] for key in ("role", "content")} for m in messages]
+    tokens = post(server, "/tokenize", {"messages": messages}).json()
+    assert tokens == post(server, "/tokenize", {"messages": plain}).json()
+    odd = {"role": "user", "content": 5, "extra_field": 1}
+    assert_error(post(server, "/v1/chat/completions", body | {"messages": [odd]}), 400, "messages", "content")
+    assert_error(post(server, "/v1/chat/completions", body | {"extra_field": 1}), 400, "extra_field")
+
+
 # --- bodies that used to crash handlers ----------------------------------------------------------
 
 

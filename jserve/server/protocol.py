@@ -26,9 +26,6 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "s
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
                                "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}  # fmt: skip
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-# Message fields read; the openai client's model_dump() adds refusal, audio, annotations and function_call,
-# which are accepted when null (as OpenAI ignores them then).
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id"}
 MAX_PROMPTS = 1024  # prompts in one completions request (each is tokenized before the queue limit applies)
 
 
@@ -62,7 +59,10 @@ class GenerationRequest:
 
 def parse_completion(body: dict) -> GenerationRequest:
     body = _given(body, COMPLETION_FIELDS)
-    if body.get("suffix"):
+    suffix = body.get("suffix", "")
+    if not isinstance(suffix, str):
+        raise bad_request(f"suffix must be a string, got {short_repr(suffix)}", "suffix")
+    if suffix:  # "" asks for no suffix, as null does
         raise bad_request("suffix is not supported", "suffix")
     logprobs = body.get("logprobs")
     echo = _flag(body, "echo")
@@ -222,11 +222,12 @@ def _messages(messages: object) -> list[dict]:
 def _message(message: object, i: int) -> dict:
     if not isinstance(message, dict):
         raise bad_request(f"messages[{i}] must be an object", "messages")
+    # Fields read below; any other is ignored, as vLLM ignores it: clients and agent frameworks send their own
+    # (ids, reasoning_content, the openai client's null refusal and audio). A legacy function_call is a call
+    # the conversation would lose, so it is refused.
     message = {key: value for key, value in message.items() if value is not None}
-    extra = sorted(set(message) - MESSAGE_FIELDS)
-    if extra:
-        hint = "; give calls as tool_calls" if "function_call" in extra else ""
-        raise bad_request(f"messages[{i}]: unsupported field(s) {short_repr(extra)}{hint}", "messages")
+    if "function_call" in message:
+        raise bad_request(f"messages[{i}]: function_call is not supported; give calls as tool_calls", "messages")
     role = message.get("role")
     if not isinstance(role, str) or role not in CHAT_ROLES:
         raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {short_repr(role)}", "messages")
