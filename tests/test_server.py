@@ -108,6 +108,28 @@ def test_streamed_completion_equals_the_whole_one(client):
     assert usage.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, client):
+    """vLLM's stream option: each chunk carries the usage up to it (the role chunk's counts the prompt only),
+    before the final usage chunk; on both routes."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=0, stream=True, stream_options=options,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    prompt = prompt_ids(5)
+    chat = [{"role": "user", "content": "count"}]
+    chat_prompt = post(server, "/tokenize", json={"messages": chat}).json()["count"]
+    for chunks, prompt_tokens in (
+        (list(client.completions.create(prompt=prompt, **kwargs)), len(prompt)),
+        (list(client.chat.completions.create(messages=chat, **kwargs)), chat_prompt),
+    ):
+        *streamed, final = chunks
+        assert final.choices == [] and final.usage.completion_tokens == 8
+        generated = [chunk.usage.completion_tokens for chunk in streamed]
+        assert generated == sorted(generated) and generated[-1] == 8
+        assert all(chunk.usage.prompt_tokens == prompt_tokens for chunk in chunks)
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    assert generated[0] == 0  # the chat's role chunk
+
+
 def test_stream_events_survive_clients_that_split_on_unicode_line_breaks():
     # A model can emit U+2028, U+0085 or a form feed; httpx's aiter_lines splits on all of them.
     from jserve.server.app import _sse
@@ -241,6 +263,7 @@ def test_64_concurrent_streams(server):
         ({"prompt": [VOCAB_SIZE + 5]}, "prompt", "vocabulary"),
         ({"prompt": list(range(3, 300))}, "prompt", "297 tokens, but max_model_len is 256"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options", "boolean"),
         ({"prompt": "x", "suffix": 0}, "suffix", "string"),
         ({"prompt": "x", "suffix": {}}, "suffix", "string"),
         ({"prompt": "x", "suffix": "tail"}, "suffix", "not supported"),

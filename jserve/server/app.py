@@ -134,6 +134,7 @@ class OpenAIServer:
                 str(err), gen.structured_param if err.param == "structured_outputs" else err.param
             ) from None
         if gen.stream:
+            builder.count_prompts([len(p.token_ids) for p in prompts])
             return StreamingResponse(self._stream(submission, builder, gen), media_type="text/event-stream")
         return await self._respond(request, submission, builder)
 
@@ -158,10 +159,10 @@ class OpenAIServer:
         """Server-sent events; Starlette cancels this generator when the client disconnects."""
         try:
             if isinstance(builder, ChatResponses):
-                yield _sse(_with_usage(builder.role_chunk(gen.num_prompts), gen))
+                yield _sse(_with_usage(builder.role_chunk(gen.num_prompts), gen, builder))
             async for out in submission:
                 for chunk in builder.chunks(submission.prompt_index(out), out):
-                    yield _sse(_with_usage(chunk, gen))
+                    yield _sse(_with_usage(chunk, gen, builder))
             if gen.include_usage:
                 yield _sse(builder.usage_chunk())
         except EngineError as err:
@@ -253,8 +254,11 @@ def _check_fits(gen: GenerationRequest, prompts: list[PromptInput], max_model_le
                           f"- {longest})", gen.max_tokens_param)  # fmt: skip
 
 
-def _with_usage(chunk: dict, gen: GenerationRequest) -> dict:
-    """With include_usage, OpenAI puts "usage": null on every chunk before the final usage chunk."""
+def _with_usage(chunk: dict, gen: GenerationRequest, builder: ResponseBuilder) -> dict:
+    """With continuous_usage_stats, vLLM puts the usage so far on every chunk; with include_usage alone,
+    OpenAI puts "usage": null on every chunk before the final usage chunk."""
+    if gen.continuous_usage:
+        return chunk | {"usage": builder.usage()}
     return chunk | {"usage": None} if gen.include_usage else chunk
 
 

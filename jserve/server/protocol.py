@@ -26,6 +26,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "s
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "add_generation_prompt",
                                "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"}  # fmt: skip
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 MAX_PROMPTS = 1024  # prompts in one completions request (each is tokenized before the queue limit applies)
 
 
@@ -40,6 +41,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # stream_options.continuous_usage_stats: the usage so far on every chunk
     priority: int
     cache_salt: str | None = None  # requests share cached prefixes only within one salt
     prompts: list[Prompt] | None = None  # completions
@@ -153,13 +155,17 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
         raise bad_request(str(err), err.param) from None
     stream = _flag(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if options is not None:
         if not stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise bad_request("stream_options takes only include_usage", "stream_options")
-        include_usage = _flag(options, "include_usage")
+        if not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS):
+            raise bad_request(f"stream_options takes only {' and '.join(STREAM_OPTIONS)}", "stream_options")
+        if not all(isinstance(options.get(name, False), bool) for name in STREAM_OPTIONS):
+            raise bad_request(f"stream_options: {' and '.join(STREAM_OPTIONS)} must be booleans, got "
+                              f"{short_repr(options)}", "stream_options")  # fmt: skip
+        include_usage = options.get("include_usage", False)
+        continuous_usage = options.get("continuous_usage_stats", False)
     model = _model(body)
     if not isinstance(body.get("user", ""), str):  # accepted as OpenAI accepts it; jserve does not use it
         raise bad_request("user must be a string", "user")
@@ -169,7 +175,7 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise bad_request("cache_salt must be a non-empty string", "cache_salt")
-    request = GenerationRequest(model, params, stream, include_usage, priority, salt)
+    request = GenerationRequest(model, params, stream, include_usage, continuous_usage, priority, salt)
     request.return_prompt_logprobs = "prompt_logprobs" in body
     if "response_format" in body:
         request.structured_param = "response_format"

@@ -58,12 +58,18 @@ class ResponseBuilder(abc.ABC):
             "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
         }
 
+    def count_prompts(self, prompt_lengths: list[int]) -> None:
+        """The prompts' tokens, known before any output: a stream's usage so far counts them from its start."""
+        self.prompt_tokens = dict(enumerate(prompt_lengths))
+
     def _record(self, prompt_index: int, out: RequestOutput) -> None:
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         self.cached_tokens[prompt_index] = out.num_cached_tokens
         for c in out.outputs:
-            if c.finished:  # the whole completion is in its finished output
-                self.completion_tokens[prompt_index * self.n + c.index] = len(c.token_ids)
+            index = prompt_index * self.n + c.index
+            # the whole completion is in its finished output; each output before it adds its delta
+            so_far = self.completion_tokens.get(index, 0) + len(c.delta_token_ids)
+            self.completion_tokens[index] = len(c.token_ids) if c.finished else so_far
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         choices = []
