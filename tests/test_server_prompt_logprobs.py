@@ -66,6 +66,26 @@ def test_echo_with_logprobs_then_generation(server, tiny_llama_checkpoint):
     assert logprobs["text_offset"][len(ids)] == len(server.engine.info.tokenizer.decode(ids))
 
 
+@pytest.mark.parametrize("special", ["<s>", "</s>"])
+def test_echo_with_logprobs_keeps_the_prompts_special_tokens(server, special):
+    """As vLLM echoes them: every prompt token, special ones too, in the text, the tokens and their offsets."""
+    tokenizer = server.engine.info.tokenizer
+    ids = tokenizer.encode(special * 3 + "the capital", add_special_tokens=False)  # ASCII: offsets add up
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith(special * 3)
+    for prompt in (ids, text):  # token ids, and a string that holds special tokens
+        choice = post(server, "/v1/completions", prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0,
+                      ignore_eos=True).json()["choices"][0]  # fmt: skip
+        logprobs = choice["logprobs"]
+        prompt_tokens = prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
+        assert choice["text"].startswith(text) and len(logprobs["tokens"]) == len(prompt_tokens) + 3
+        expected = [tokenizer.decode([t], skip_special_tokens=False) for t in prompt_tokens]
+        assert logprobs["tokens"][: len(prompt_tokens)] == expected
+        assert logprobs["text_offset"][len(prompt_tokens)] == len(text)
+        offsets = np.cumsum([0] + [len(t) for t in logprobs["tokens"][:-1]]).tolist()
+        assert logprobs["text_offset"] == offsets
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_the_prompt_logprobs_field(server, path):
     body = (

@@ -180,7 +180,9 @@ class OpenAIServer:
             if isinstance(prompt, str):
                 prompts.append(PromptInput(tokenizer.encode(prompt), prompt))
             else:
-                prompts.append(PromptInput(prompt, tokenizer.decode(prompt) if gen.echo else None))
+                # echoed as vLLM echoes token ids: every token's text, special tokens too
+                text = tokenizer.decode(prompt, skip_special_tokens=False) if gen.echo else None
+                prompts.append(PromptInput(prompt, text))
         return prompts
 
     def _tool_calls(self, gen: GenerationRequest) -> ToolCalls | None:

@@ -153,7 +153,7 @@ class CompletionResponses(ResponseBuilder):
         shape = None
         if logprobs is not None:
             shape = completion_logprobs(token_ids, logprobs, len(echo))
-            if echo and out.prompt_logprobs is not None:
+            if self.echo_texts is not None and out.prompt_logprobs is not None:
                 prompt = echoed_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.decode)
                 shape = {key: prompt[key] + shape[key] for key in shape}
         return {"index": index, "text": echo + text, "logprobs": shape, "finish_reason": finish_reason,
