@@ -88,17 +88,19 @@ def test_echo_with_logprobs_keeps_the_prompts_special_tokens(server, special):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_the_prompt_logprobs_field(server, path):
-    body = (
-        {"prompt": prompt_ids(4, 9)} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
-    )
-    choice = post(server, path, max_tokens=1, prompt_logprobs=2, **body).json()["choices"][0]
-    entries = choice["prompt_logprobs"]
+    """Where vLLM puts it: in each completion choice, beside a chat's choices; null when not asked for."""
+    chat = path == "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": prompt_ids(4, 9)}
+    response = post(server, path, max_tokens=1, prompt_logprobs=2, **body).json()
+    [choice] = response["choices"]
+    entries = response["prompt_logprobs"] if chat else choice["prompt_logprobs"]
+    assert ("prompt_logprobs" in choice) is not chat
     assert entries[0] is None and all(2 <= len(e) <= 3 for e in entries[1:])
     for entry in entries[1:]:
         for token_id, item in entry.items():
             assert int(token_id) >= 0 and set(item) == {"logprob", "rank", "decoded_token"}
-    plain = post(server, path, max_tokens=1, **body).json()["choices"][0]
-    assert "prompt_logprobs" not in plain
+    plain = post(server, path, max_tokens=1, **body).json()
+    assert (plain if chat else plain["choices"][0])["prompt_logprobs"] is None
 
 
 @pytest.mark.parametrize(
@@ -108,6 +110,7 @@ def test_the_prompt_logprobs_field(server, path):
         ({"echo": True, "logprobs": 1, "stream": True}, "stream"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # as vLLM: a chunk has no place for them
     ],
 )
 def test_refused(server, extra, param):

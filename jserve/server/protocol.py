@@ -50,7 +50,7 @@ class GenerationRequest:
     add_generation_prompt: bool = True
     max_tokens_param: str = "max_tokens"  # the name the client gave it, for errors
     prompt_only: bool = False  # completions with max_tokens 0 and echo: the prompt's scores, nothing generated
-    return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: each choice carries them
+    return_prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: the response carries them
     structured_param: str = "structured_outputs"  # where the client put its output constraint, for errors
     tool_use: ToolUse | None = None  # chat: the tools offered and how they may be used
 
@@ -154,6 +154,8 @@ def _common(body: dict, logprobs: object, max_tokens: object) -> GenerationReque
     except RequestError as err:
         raise bad_request(str(err), err.param) from None
     stream = _flag(body, "stream")
+    if stream and "prompt_logprobs" in body:  # as vLLM: a stream's chunks have no place for them
+        raise bad_request("prompt_logprobs are not available when streaming; ask without stream", "prompt_logprobs")
     options = body.get("stream_options")
     include_usage = continuous_usage = False
     if options is not None:

@@ -38,7 +38,7 @@ class ResponseBuilder(abc.ABC):
 
     def __init__(self, model: str, n: int, top_logprobs: int = 0, echo_texts: list[str] | None = None,
                  prompt_logprobs: bool = False):  # fmt: skip
-        """`prompt_logprobs`: each choice carries vLLM's `prompt_logprobs` field."""
+        """`prompt_logprobs`: the response's `prompt_logprobs` field (vLLM's) holds them; null otherwise."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.n, self.top_logprobs = model, n, top_logprobs
@@ -77,10 +77,7 @@ class ResponseBuilder(abc.ABC):
             self._record(prompt_index, out)
             for c in out.outputs:
                 echo = self.echo_texts[prompt_index] if self.echo_texts else ""
-                choice = self._choice(prompt_index * self.n + c.index, c, echo, out)
-                if self.prompt_logprobs:
-                    choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
-                choices.append(choice)
+                choices.append(self._choice(prompt_index * self.n + c.index, c, echo, out))
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}  # fmt: skip
 
@@ -156,8 +153,10 @@ class CompletionResponses(ResponseBuilder):
             if self.echo_texts is not None and out.prompt_logprobs is not None:
                 prompt = echoed_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.decode)
                 shape = {key: prompt[key] + shape[key] for key in shape}
+        # vLLM's field, in every choice: null unless asked for
+        prompt_logprobs = vllm_prompt_logprobs(out.prompt_logprobs) if self.prompt_logprobs else None
         return {"index": index, "text": echo + text, "logprobs": shape, "finish_reason": finish_reason,
-                "stop_reason": stop_reason}  # fmt: skip
+                "stop_reason": stop_reason, "prompt_logprobs": prompt_logprobs}  # fmt: skip
 
     def _chunk(self, index, text, tokens, logprobs, finish_reason, offset) -> dict:
         lp = completion_logprobs(tokens, logprobs, offset) if logprobs is not None else None
@@ -177,6 +176,11 @@ class ChatResponses(ResponseBuilder):
         self.tools = tools
         self.streamers: dict[int, ToolStreamer] = {}
         self.calls_sent: dict[int, int] = {}  # choice index -> tool calls streamed so far
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        # vLLM puts prompt_logprobs beside the choices (a chat has one prompt), null unless asked for
+        prompt_logprobs = vllm_prompt_logprobs(outputs[0].prompt_logprobs) if self.prompt_logprobs else None
+        return super().response(outputs) | {"prompt_logprobs": prompt_logprobs}
 
     def role_chunk(self, num_prompts: int) -> dict:
         """Chat streams open with the assistant role for every choice."""
