@@ -1,6 +1,7 @@
 """Checkpoint sources agree with each other, and bad input fails with one clear error."""
 
 import json
+import logging
 import shutil
 
 import gguf
@@ -139,9 +140,12 @@ def test_generation_config_eos_ids_are_stop_ids(tmp_path, llama_folder):
     assert load_model(folder, "float32").config.eos_token_ids == (7, 9)
 
 
-def test_bfloat16_loads_straight_to_bfloat16(llama_folder):
+def test_bfloat16_loads_straight_to_bfloat16(llama_folder, caplog):
     folder, _ = llama_folder
-    model = load_model(folder, "bfloat16")
+    with caplog.at_level(logging.WARNING, logger="jserve"):
+        model = load_model(folder, "bfloat16")
+    # On a CPU the user is told what bfloat16 costs and what to pass instead.
+    assert "--dtype bfloat16 on a CPU" in caplog.text and "--quantization int8" in caplog.text
     assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {np.dtype("bfloat16")}
     # The float32 model's logits to bfloat16's precision: measured max |diff| 0.29 on logits up to 9.8.
     full = jserve_prompt_logits(load_model(folder, "float32"), PROMPT)
