@@ -89,8 +89,8 @@ def load_model(
     if target_dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         log.warning(
             "--dtype bfloat16 on a CPU runs XLA's bfloat16 path, several times slower than float32 (SmolLM2 on 2 "
-            "cores: 5 tok/s for one sequence against float32's 32 and the GGUF default's ~110). For speed leave "
-            "--dtype out (auto: float32, or a GGUF file's own blocks); for less memory, --quantization int8 or w8a8"
+            "cores: 5 tok/s for one sequence against float32's 32). For speed leave --dtype out (auto: float32, "
+            "or a GGUF file's own blocks); for less memory, --quantization int8 or w8a8"
         )
     source = resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
     quantization = resolve_quantization(quantization, source, mesh, dtype)
