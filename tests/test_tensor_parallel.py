@@ -37,7 +37,9 @@ def check_against_one_device(results: dict, replicated_weight_bytes: int) -> Non
     total_weights, total_kv = one["weight_bytes"][0], one["kv_bytes"][0]
     for tp, result in results.items():
         assert result["tokens"] == one["tokens"], f"tp={tp}"
-        np.testing.assert_allclose(result["logits"], one["logits"], atol=1e-4, err_msg=f"tp={tp}")
+        # Split projections sum their partial products in another order: float32 rounding, carried through
+        # every layer (SmolLM2's 30: 1.4e-4 apart at TP 3 through XLA's matmuls, without the C++ kernels).
+        np.testing.assert_allclose(result["logits"], one["logits"], atol=3e-4, err_msg=f"tp={tp}")
         weights, kv = result["weight_bytes"][:tp], result["kv_bytes"][:tp]
         assert not any(result["weight_bytes"][tp:]) and not any(result["kv_bytes"][tp:])  # other devices idle
         # Each device: the replicated weights (embedding, norms) and its 1/tp of the rest (a bound: when KV
