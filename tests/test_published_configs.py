@@ -1,22 +1,23 @@
 """Published checkpoints' config.json, as the hub serves them, read as transformers reads them.
 
-For each file in published_configs.py: what transformers builds from it (its modules, on the meta device, so
-a 27B costs nothing) and what jserve reads from it agree per layer (attention window and scale, soft-caps,
-rope frequencies and their scale) and in the model's layout (widths, heads, tied head, experts); and a
-shrunken copy (widths, vocabulary, windows and layer count reduced, every other field as published) is
-token-exact with transformers, float32 greedy, on prompts longer than its windows.
+For each file in published_configs/ (ORG--NAME.json: the hub checkpoint ORG/NAME's config.json): what
+transformers builds from it (its modules, on the meta device, so a 27B costs nothing) and what jserve reads
+from it agree per layer (attention window and scale, soft-caps, rope frequencies and their scale) and in the
+model's layout (widths, heads, tied head, experts); and a shrunken copy (widths, vocabulary, windows and layer
+count reduced, every other field as published) is token-exact with transformers, float32 greedy, on prompts
+longer than its windows.
 """
 
 import copy
 import json
 import logging
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from published_configs import PUBLISHED_CONFIGS
 
 from jserve import LLM, SamplingParams
 from jserve.errors import ModelLoadError
@@ -35,6 +36,8 @@ from tiny_models import (
     tiny_tokenizer,
 )
 
+PUBLISHED = Path(__file__).with_name("published_configs")
+PUBLISHED_CONFIGS = {path.stem.replace("--", "/"): json.loads(path.read_text()) for path in PUBLISHED.glob("*.json")}
 CHECKPOINTS = sorted(PUBLISHED_CONFIGS)
 # Attention classes that pass config.sliding_window to every layer's attention (they keep no window of their own).
 WINDOW_FROM_CONFIG = ("MistralAttention", "MixtralAttention", "Phi3Attention")
