@@ -64,11 +64,11 @@ def transformers_facts(model: transformers.PreTrainedModel) -> dict:
     text = text_model(model)
     config = text.config
     layers = []
+    rope = type(text.rotary_emb)(config)  # on the CPU: real buffers, the frequencies it rotates by
     for layer in text.layers:
         attn = layer.self_attn
         window = config.sliding_window if type(attn).__name__ in WINDOW_FROM_CONFIG else None
         kind = getattr(attn, "layer_type", None)
-        rope = type(text.rotary_emb)(config)  # on the CPU: real buffers, the frequencies it rotates by
         prefix = f"{kind}_" if hasattr(rope, f"{kind}_inv_freq") else ""
         experts = getattr(layer.mlp, "experts", None)
         layers.append(
