@@ -42,7 +42,7 @@ class LLM:
         return llm
 
     def _start(self, args: EngineArgs) -> None:
-        self.engine = args.create_engine()
+        self.engine = args.create_engine(progress_bars=True)
         self.tokenizer = self.engine.tokenizer
 
     def get_tokenizer(self):

@@ -21,10 +21,10 @@ def smollm2(smollm2_gguf_path):
     return load_model(smollm2_gguf_path, dtype="float32")
 
 
-# Any XLA compilation during an engine step after warm-up is a bug: make it an error in every test.
-os.environ["JSERVE_FORBID_RECOMPILE"] = "1"
-# Whenever an engine goes idle, check that every slot and KV page came back and the prefix cache is sound.
-os.environ["JSERVE_CHECK_CACHE"] = "1"
+# Every engine runs with debug_checks (here and in the servers tests start): any XLA compilation during an
+# engine step after warm-up is an error, and whenever an engine goes idle every slot and KV page must have
+# come back and the prefix cache be sound.
+os.environ["JSERVE_DEBUG_CHECKS"] = "1"
 
 
 @pytest.fixture(scope="session")

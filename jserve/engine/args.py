@@ -27,6 +27,8 @@ log = logging.getLogger("jserve")
 
 DTYPES = ["auto", *FLOAT_DTYPES]  # auto: float32 on CPU, bfloat16 elsewhere (resolve_dtype)
 KV_CACHE_DTYPES = ["auto", *FLOAT_DTYPES]  # auto: the model's dtype
+# Sets debug_checks' default for a whole process and the servers it starts (a test suite).
+DEBUG_CHECKS_ENV = "JSERVE_DEBUG_CHECKS"
 
 
 def enable_compilation_cache() -> None:
@@ -108,10 +110,18 @@ class EngineArgs:
         '"disable_by_batch_size" (default 4): speculate only while at most this many requests run',
     )
 
+    debug_checks: bool = setting(
+        os.environ.get(DEBUG_CHECKS_ENV) == "1",
+        "fail on any compilation after warm-up, and whenever the engine goes idle check that every sequence "
+        "slot and KV page came back and the prefix cache keeps its invariants (a walk of the whole cache, up to "
+        f"~165 ms on a full one: for tests, not serving). Default: on where {DEBUG_CHECKS_ENV}=1",
+    )
+
     def __post_init__(self):
         SpeculativeConfig.parse(self.speculative_config)  # a bad config fails now, before the model loads
 
-    def create_engine(self) -> LLMEngine:
+    def create_engine(self, progress_bars: bool = False) -> LLMEngine:
+        """`progress_bars`: start-up work as tqdm bars (notebooks, the CLI) rather than log lines (a server)."""
         start = time.perf_counter()
         enable_compilation_cache()
         mesh = make_mesh(self.tensor_parallel_size)
@@ -131,7 +141,7 @@ class EngineArgs:
         config = resolve_engine_config(self, loaded.config, loaded.dtype, draft=draft.config if draft else None)
         # Hosts may differ in free memory; they must not differ in KV shapes.
         config = replace(config, num_pages=agree_on_min(config.num_pages))
-        engine = LLMEngine(loaded, config, draft)
+        engine = LLMEngine(loaded, config, draft, progress_bars)
         log.info("Engine ready in %.1fs", time.perf_counter() - start)
         return engine
 

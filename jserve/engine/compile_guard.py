@@ -2,25 +2,29 @@
 
 Traces are counted as well as backend compiles: a jit specialisation served from the persistent
 compilation cache skips the backend compile but is still traced, and still costs time mid-serving.
+
+JAX reports these events on the thread that traces or compiles, so each thread has its own count: an
+engine stepping on one thread is not blamed for another engine (or a user's code) compiling on another.
 """
 
 from __future__ import annotations
 
+import threading
+
 import jax
 
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
-_count = 0
+_counts = threading.local()
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
-    global _count
     if event in COMPILE_EVENTS:
-        _count += 1
+        _counts.value = getattr(_counts, "value", 0) + 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_on_event)  # process-wide; jax offers no unregister
+jax.monitoring.register_event_duration_secs_listener(_on_event)  # once per process; jax offers no unregister
 
 
 def compile_count() -> int:
-    """Traces plus XLA compilations in this process so far."""
-    return _count
+    """Traces plus XLA compilations on the calling thread so far."""
+    return getattr(_counts, "value", 0)

@@ -64,6 +64,7 @@ class EngineConfig:
     async_scheduling: bool
     kv_cache_dtype: str  # the pages' dtype: the model's, or bfloat16 for half the bytes
     speculative: SpeculativeConfig | None = None
+    debug_checks: bool = False  # see EngineArgs.debug_checks
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -213,4 +214,5 @@ def resolve_engine_config(
         async_scheduling=args.async_scheduling,
         kv_cache_dtype=kv_cache_dtype,
         speculative=speculative,
+        debug_checks=args.debug_checks,
     )

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.progress import progress
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput, bias_entries
@@ -30,13 +29,6 @@ from jserve.spec_decode import Speculator
 from jserve.structured import GrammarCompiler
 
 log = logging.getLogger("jserve")
-
-# Tests set this so any compilation after warm-up fails loudly instead of silently costing seconds.
-FORBID_RECOMPILE_ENV = "JSERVE_FORBID_RECOMPILE"
-# Tests set this so each step that leaves the engine idle checks that every slot and KV page came back and
-# that the prefix cache keeps its invariants. That walks the whole cache tree, about 2.5 us a node: up to
-# ~165 ms on a full cache of 65,536 pages, too slow to pay at every idle moment of a server.
-CHECK_CACHE_ENV = "JSERVE_CHECK_CACHE"
 
 
 @dataclass(frozen=True)
@@ -72,8 +64,11 @@ class ParentRequest:
 
 
 class LLMEngine:
-    def __init__(self, model: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None):
-        """`draft`: the draft model, when config.speculative uses one."""
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None, progress_bars: bool = False
+    ):
+        """`draft`: the draft model, when config.speculative uses one. `progress_bars`: show start-up work as
+        tqdm bars (for a person watching) rather than log lines (for a server's logs)."""
         self.model, self.config = model, config
         self.tokenizer = model.tokenizer
         eos = set(model.config.eos_token_ids)
@@ -90,11 +85,10 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
-        self.forbid_recompile = os.environ.get(FORBID_RECOMPILE_ENV) == "1"
-        self.check_cache = os.environ.get(CHECK_CACHE_ENV) == "1"
         self.timeline = DeviceTimeline(self.stats)
         self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
         self._busy = False  # requests were unfinished after the last step: the next one is back to back
+        self._aborted: set[str] = set()  # parents aborted since the last step: their outputs are due
         log.info(
             "KV cache: %d pages of %d tokens = %d tokens of %s, %.2f GiB; max concurrency at max_model_len %d: %.1f",
             config.num_pages, config.page_size, config.num_pages * config.page_size, config.kv_cache_dtype,
@@ -104,12 +98,12 @@ class LLMEngine:
         log.info("Prefix caching %s; schedule policy %s; async scheduling %s",
                  "on" if config.enable_prefix_caching else "off", config.schedule_policy,
                  "on" if config.async_scheduling else "off")  # fmt: skip
-        self.runner.warm_up()
+        self.runner.warm_up(progress_bars)
         if self.speculator is not None:
-            self._measure_step_costs()
+            self._measure_step_costs(progress_bars)
         self.stats.start()
 
-    def _measure_step_costs(self) -> None:
+    def _measure_step_costs(self, progress_bars: bool) -> None:
         """Time steps of the sizes a speculating batch makes (its requests' tokens, with all their drafts or
         none): the Speculator weighs drafts against them."""
         spec = self.config.speculative
@@ -117,8 +111,11 @@ class LLMEngine:
         drafts = {n: 0 for n in requests} | {n * (spec.num_speculative_tokens + 1): n * spec.num_speculative_tokens
                                              for n in requests}  # fmt: skip
         sizes = sorted(n for n in drafts if n <= self.config.max_num_batched_tokens)
-        progress = tqdm(sizes, desc="Timing speculative steps", unit="step")
-        costs = {n: self.runner.step_seconds(n, drafts[n]) for n in progress}
+        costs = {}
+        with progress(len(sizes), "Timing speculative steps", "step", progress_bars) as bar:
+            for n in sizes:
+                costs[n] = self.runner.step_seconds(n, drafts[n])
+                bar.update()
         # A draft model's proposals cost every step they are made in; a request that stops speculating saves that.
         plain = self.runner.step_seconds(1, proposes=False) if spec.uses_draft_model else None
         self.speculator.set_step_costs(costs, plain)
@@ -221,6 +218,7 @@ class LLMEngine:
             return
         for child in parent.children:
             self.scheduler.finish(child, "abort")
+        self._aborted.add(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
@@ -244,30 +242,44 @@ class LLMEngine:
         start = time.perf_counter()
         if not self._busy:
             self.stats.resume()
-        changed = {pid for pid, p in self.parents.items() if p.finished}  # aborted since the last step
+        host = (self.runner.prepare_s, self.outputs.detokenize_s)
+        changed, self._aborted = self._aborted, set()  # requests aborted since the last step
         waited = 0.0
         if self.in_flight is not None and self.in_flight.blocks_next:
             # A grammar's next mask or a verification's outcome needs the step in flight: this step waits for
             # it (no overlap).
             waited, self.in_flight = self._process(self.in_flight, changed), None
+        scheduled_at = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        launch_at = time.perf_counter()
         self.stats.preemptions += len(scheduled.preempted)
         launched = self._launch(scheduled.sequences, changed) if scheduled.sequences else None
+        launched_at = time.perf_counter()
         previous, self.in_flight = self.in_flight, launched
         if not self.config.async_scheduling:
             previous, self.in_flight = self.in_flight, None
         waited += self._process(previous, changed) if previous is not None else 0.0
-        if self.in_flight is not None and all(p.finished for p in self.parents.values()):
+        if self.in_flight is not None and not self.scheduler.num_unfinished:
             waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
             self.in_flight = None
+        outputs_at = time.perf_counter()
         results = [self._output(self.parents[pid]) for pid in changed]
         for out in results:
             if out.finished:
                 for child in self.parents.pop(out.request_id).children:
                     self.outputs.forget(child)
         self._busy = self.has_unfinished_requests()
-        self.stats.host_s += time.perf_counter() - start - waited
-        if self.check_cache and not self._busy:
+        end = time.perf_counter()
+        self.stats.host_s += end - start - waited
+        prepare, detokenize = self.runner.prepare_s - host[0], self.outputs.detokenize_s - host[1]
+        phases = self.stats.phase_s  # ("process" counted by _process, detokenizing included)
+        phases["schedule"] += launch_at - scheduled_at
+        phases["prepare"] += prepare
+        phases["launch"] += launched_at - launch_at - prepare
+        phases["process"] -= detokenize
+        phases["detokenize"] += detokenize
+        phases["outputs"] += end - outputs_at
+        if self.config.debug_checks and not self._busy:
             self.scheduler.check_idle()
         return results
 
@@ -283,7 +295,7 @@ class LLMEngine:
         self.timeline.launched(time.perf_counter(), launched.samples.token_ids, self._busy)
         if compile_count() != before:
             message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
-            if self.forbid_recompile:
+            if self.config.debug_checks:
                 raise RuntimeError(message)
             log.warning(message)
         for row, (seq, sampled) in enumerate(zip(sequences, samples, strict=True)):
@@ -332,34 +344,35 @@ class LLMEngine:
         waited += self._record_prompt_scores(step)
         stats = self.stats
         now = time.monotonic()
-        sequences = zip(step.sequences, step.samples, verify_row_starts(step.sequences), strict=True)
-        for row, (seq, sampled, verify_row) in enumerate(sequences):
+        verify_rows = verify_row_starts(step.sequences) if speculated else None
+        for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
             request = seq.request
-            tokens = [(samples, row)]
             if len(seq.drafts):
-                tokens = self._verified_tokens(seq, verified, verify_row, samples, row)
+                tokens = self._verified_tokens(seq, verified, int(verify_rows[row]), samples, row)
             if not sampled or request.is_finished:  # finished by the step before: this token is surplus
                 continue
             changed.add(request.parent_id)
             if request.first_token_time is None:
                 request.first_token_time = now
-            for source, source_row in tokens:
-                stats.generated_tokens += 1
-                try:
-                    finish = self.outputs.append(request, source, source_row)
-                except Exception as error:  # one request's failure must not take down the others
-                    self._fail(request, error, changed)
-                    break
-                if finish is not None:
-                    self.scheduler.finish(request, *finish)
-                    break
-            if row in proposing and not request.is_finished:
+            finish = None
+            try:
+                for source, source_row in tokens if len(seq.drafts) else ((samples, row),):
+                    stats.generated_tokens += 1
+                    if finish := self.outputs.append(request, source, source_row):
+                        break
+            except Exception as error:  # one request's failure must not take down the others
+                self._fail(request, error, changed)
+                continue
+            if finish is not None:
+                self.scheduler.finish(request, *finish)
+            elif row in proposing:
                 self.speculator.drafted(request, proposals[proposing[row]])
         stats.steps += 1
         scheduler = self.scheduler
         running = len(scheduler.running)
         kv_used = scheduler.num_used_pages / scheduler.pool.num_pages
         stats.maybe_log(running, scheduler.num_unfinished - running, kv_used)
+        stats.phase_s["process"] += time.perf_counter() - start - waited
         return waited
 
     def _verified_tokens(
@@ -403,24 +416,32 @@ class LLMEngine:
     def _output(self, parent: ParentRequest) -> RequestOutput:
         """The parent's output for this step. Its completions carry what changed since their last output, and
         each change is handed out once: every output the engine returns must reach its consumer."""
-        completions = [self.outputs.completion(child) for child in parent.children]
-        scheduled = [c.first_scheduled_time for c in parent.children if c.first_scheduled_time is not None]
-        first_tokens = [c.first_token_time for c in parent.children if c.first_token_time is not None]
-        finishes = [c.finish_time for c in parent.children if c.finish_time is not None]
-        metrics = RequestMetrics(
-            arrival_time=min(c.arrival_time for c in parent.children),
-            first_scheduled_time=min(scheduled, default=None),
-            first_token_time=min(first_tokens, default=None),
-            finish_time=max(finishes, default=None) if parent.finished else None,
-            num_preemptions=sum(c.num_preemptions for c in parent.children),
-        )
+        children = parent.children
+        finished = parent.finished
+        if len(children) == 1:  # the common case, without the folds over siblings
+            child = children[0]
+            metrics = RequestMetrics(child.arrival_time, child.first_scheduled_time, child.first_token_time,
+                                     child.finish_time if finished else None, child.num_preemptions)  # fmt: skip
+            num_cached = child.num_cached_tokens
+        else:
+            scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
+            first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
+            finishes = [c.finish_time for c in children if c.finish_time is not None]
+            metrics = RequestMetrics(
+                arrival_time=min(c.arrival_time for c in children),
+                first_scheduled_time=min(scheduled, default=None),
+                first_token_time=min(first_tokens, default=None),
+                finish_time=max(finishes, default=None) if finished else None,
+                num_preemptions=sum(c.num_preemptions for c in children),
+            )
+            num_cached = max(c.num_cached_tokens for c in children)
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=self.outputs.prompt_logprobs(parent.children[0]),
-            outputs=completions,
-            finished=parent.finished,
-            num_cached_tokens=max(c.num_cached_tokens for c in parent.children),
+            prompt_logprobs=self.outputs.prompt_logprobs(children[0]),
+            outputs=[self.outputs.completion(child) for child in children],
+            finished=finished,
+            num_cached_tokens=num_cached,
             metrics=metrics,
         )

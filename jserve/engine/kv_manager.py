@@ -142,7 +142,7 @@ class KVManager:
 
     def check_idle(self) -> None:
         """With no request running, each page is free or cached and unlocked, and the cache keeps its every
-        invariant. A walk of the whole tree (a few microseconds a node): for tests and JSERVE_CHECK_CACHE."""
+        invariant. A walk of the whole tree (a few microseconds a node): for tests and --debug-checks."""
         if self.cache is None:
             assert self.pool.num_free == self.pool.num_pages and not self.pool.ref_counts.any(), "pages leaked"
             return

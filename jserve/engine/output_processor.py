@@ -7,6 +7,7 @@ Contract: the OutputProcessor is the only writer of a request's sampled tokens, 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -39,6 +40,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.states: dict[str, CompletionState] = {}
+        self.detokenize_s = 0.0  # host time decoding text, for the engine's stats
 
     def register(self, request: Request) -> None:
         params = request.params
@@ -67,7 +69,9 @@ class OutputProcessor:
         if request.params.logprobs is not None:
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
         state = self.states[request.request_id]
+        start = time.perf_counter()
         delta = state.detokenizer.add([token])
+        self.detokenize_s += time.perf_counter() - start
         state.unsent += delta
         finish = self._check_stop(request, token, state, len(delta))
         if finish is not None and not isinstance(finish[1], str):

@@ -17,18 +17,14 @@ from dataclasses import replace
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-from tqdm.auto import tqdm
 
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
-from jserve.engine.sampler import (
-    SamplingRow,
-    build_sampling_batch,
-    full_bitmask,
-    init_penalty_state,
-)
+from jserve.engine.input_batch import InputBatch
+from jserve.engine.progress import progress
+from jserve.engine.sampler import BIAS_WIDTH, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
-from jserve.engine.step import PenaltyUpdate, StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
+from jserve.engine.step import StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
@@ -89,12 +85,21 @@ class ModelRunner:
         self._full_bitmasks = {n: full_bitmask(n, model.config.vocab_size) for n in batch_sizes}
         for mask in self._full_bitmasks.values():
             mask.flags.writeable = False
+        # What most steps pass unchanged stays on the device: the all-ones bitmasks and the empty bias rows
+        # (at 256 rows and a 128k vocabulary, 4.8 MB a step to upload otherwise).
+        self._device_bitmasks = {n: self._put(mask) for n, mask in self._full_bitmasks.items()}
+        self._no_bias = {
+            n: (self._put(np.full((n, BIAS_WIDTH), -1, np.int32)), self._put(np.zeros((n, BIAS_WIDTH), np.float32)))
+            for n in batch_sizes
+        }
+        self.prepare_s = 0.0  # host time building step inputs, for the engine's stats
+        self.batch = InputBatch(config.max_num_seqs, config.max_pages_per_seq, config.page_size, stop_ids)
         self.bitmask_filler = BitmaskFiller()
         self.mask_fill_s: deque[float] = deque(maxlen=MASK_TIMINGS_KEPT)  # host time per constrained step
         # Across hosts the leader tells followers every step it launches (see jserve.parallel.distributed).
         self.broadcast = StepBroadcast(lambda bucket: self.prepare([], bucket)) if is_multi_process() else None
 
-    def warm_up(self) -> None:
+    def warm_up(self, progress_bars: bool = False) -> None:
         """Compile every bucket now, and run each once on an all-padding batch (which writes nothing):
         a first execution pays one-off costs of its own (~0.6 s here) that would otherwise land on a request.
 
@@ -107,7 +112,7 @@ class ModelRunner:
         workers = min(COMPILE_WORKERS, os.cpu_count() or 1)
         with (
             ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as compiler,
-            tqdm(total=len(buckets), desc="Compiling step buckets", unit="bucket") as progress,
+            progress(len(buckets), "Compiling step buckets", "bucket", progress_bars) as bar,
         ):
             for bucket in buckets:
                 step = self.prepare([], bucket)
@@ -122,9 +127,9 @@ class ModelRunner:
                 # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
                 # order, so there first runs wait until every bucket is exchanged.
                 while compiling and compiling[0][2].done() and not self.broadcast:
-                    self._first_run(*compiling.pop(0), progress)
+                    self._first_run(*compiling.pop(0), bar)
             while compiling:
-                self._first_run(*compiling.pop(0), progress)
+                self._first_run(*compiling.pop(0), bar)
             jax.block_until_ready(self.sampled)
         log.info(
             "Compiled %d step variants (token buckets %s) in %.1fs",
@@ -133,11 +138,11 @@ class ModelRunner:
             time.perf_counter() - start,
         )
 
-    def _first_run(self, bucket: int, step: StepInput, compiled: Future, progress: tqdm) -> None:
+    def _first_run(self, bucket: int, step: StepInput, compiled: Future, bar) -> None:
         """Take a bucket's executable and launch its first run (in bucket order: each donates the state)."""
         self.executables[bucket] = compiled.result()
         self._execute(bucket, step)
-        progress.update()
+        bar.update()
 
     def step_seconds(self, num_tokens: int, num_drafts: int = 0, runs: int = 5, proposes: bool = True) -> float:
         """The fastest of `runs` steps of `num_tokens` real tokens, `num_drafts` of them verified (noise only
@@ -169,8 +174,10 @@ class ModelRunner:
     def launch(self, sequences: list[ScheduledSequence]) -> StepOutput:
         """Dispatch one step and return at once: its outputs are device arrays until fetched. Reads the
         requests' pending rows, so it runs before the engine marks new ones."""
+        start = time.perf_counter()
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
         step = self.prepare(sequences, bucket)
+        self.prepare_s += time.perf_counter() - start
         if self.broadcast:
             self.broadcast.send(bucket, step)
         return self._execute(bucket, step)
@@ -187,6 +194,9 @@ class ModelRunner:
         than a device_put per array); with a mesh replicated, as the step was compiled for (left to itself,
         the compiler would split the token bitmask by vocabulary like the logits it masks)."""
         return step if self.input_sharding is None else jax.device_put(step, self.input_sharding)
+
+    def _put(self, array: np.ndarray) -> jax.Array:
+        return jax.device_put(array, self.input_sharding)
 
     def _exchange(self, bucket: int, step: StepInput) -> None:
         if is_leader():
@@ -217,58 +227,59 @@ class ModelRunner:
         return None
 
     def prepare(self, sequences: list[ScheduledSequence], bucket: int) -> StepInput:
-        """Host arrays for a step, padded to `bucket` tokens and its sequence count (vectorised numpy)."""
-        cfg = self.config
+        """Host arrays for a step, padded to `bucket` tokens and its sequence count: one pass over the
+        sequences for their own numbers (refreshing the rows of requests that joined or whose pages changed),
+        then everything else gathered from the persistent batch by slot."""
+        cfg, batch = self.config, self.batch
         num_seqs = cfg.seq_bucket(bucket)
-        chunks = [SequenceChunk(s.token_ids, s.start, s.request.pages) for s in sequences]
-        model = build_model_input(chunks, cfg.page_size, bucket, num_seqs, cfg.max_pages_per_seq)
-
-        n = len(sequences)
-        lens = np.array([s.num_tokens for s in sequences], np.int32)
-        slots = np.array([s.request.slot for s in sequences], np.int32)
-        prompt_lens = np.array([s.request.num_prompt_tokens for s in sequences], np.int32)
-        seq_of_token = np.repeat(np.arange(n), lens)
-        total = len(seq_of_token)
-        token_slots = np.zeros(bucket, np.int32)
-        token_slots[:total] = slots[seq_of_token]
-        is_output = np.zeros(bucket, bool)
-        is_output[:total] = model.attention.positions[:total] >= prompt_lens[seq_of_token]
-        padded_slots = np.zeros(num_seqs, np.int32)
-        padded_slots[:n] = slots
-        # Only requests with penalties read their token history, so only theirs is recorded (a step of
-        # others skips the [S, V] update on device); it starts afresh with their first chunk.
-        tracked = np.array([s.request.params.uses_penalties for s in sequences], bool)
-        recorded = np.zeros(bucket, bool)
-        recorded[:total] = tracked[seq_of_token]
-        reset = np.zeros(num_seqs, bool)
-        reset[:n] = tracked & np.array([s.first for s in sequences], bool)
-        # A chunk that ends in a token still in flight takes it from the previous step's samples.
-        pending_rows = np.full(bucket, -1, np.int32)
+        if len(sequences) > num_seqs:
+            raise ValueError(f"{len(sequences)} sequences exceed the batch of {num_seqs}")
+        numbers, chunks = [], []
+        for s in sequences:
+            request, slot = s.request, s.request.slot
+            if batch.owner[slot] != request.admit_index:
+                batch.join(slot, request)
+            if batch.pages[slot] is not request.pages:
+                batch.set_pages(slot, request.pages)
+            samples = s.samples
+            pending = request.pending_row if request.num_pending and samples else -1  # its own last token
+            numbers.append((slot, s.start, s.num_tokens, len(s.drafts), pending, request.seq_len, samples, s.first))
+            chunks.append(s.token_ids)
+        columns = np.array(numbers, np.int32).reshape(len(sequences), 8).T
+        slots, starts, lens, num_drafts, pending, seq_lens, samples, first = columns
+        token_ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
+        model = batch.model_input(slots, starts, lens, token_ids, bucket, num_seqs)
         ends = np.cumsum(lens) - 1
-        for end, s in zip(ends, sequences, strict=True):
-            if s.request.num_pending and s.samples:  # its own last token (drafts follow it)
-                pending_rows[end - len(s.drafts)] = s.request.pending_row
-
-        # A chunk of a prompt being scored scores each of its tokens' successor in the prompt.
-        targets = np.full(bucket, -1, np.int32)
-        for start, s in zip(ends - lens + 1, sequences, strict=True):
-            request = s.request
-            if request.params.prompt_logprobs is not None:
-                stop = min(s.start + s.num_tokens, request.num_prompt_tokens - 1)  # positions with a next token
-                if stop > s.start:
-                    targets[start : start + stop - s.start] = request.token_buffer[s.start + 1 : stop + 1]
-        rows = [self._sampling_row(s) for s in sequences]
+        # A chunk that ends in a token still in flight takes it from the previous step's samples (drafts
+        # follow that token).
+        pending_rows = np.full(bucket, -1, np.int32)
+        in_flight = pending >= 0
+        pending_rows[(ends - num_drafts)[in_flight]] = pending[in_flight]
+        # pending tokens count (they exist on device), and drafts: the step samples after them
+        num_output = seq_lens - batch.prompt_len[slots] + num_drafts
+        constrained = batch.has_grammar[slots] & (samples == 1)
         num_verify = cfg.verify_rows(bucket)
-        bitmask, verify_bitmask = self._token_bitmasks(sequences, rows, num_seqs, num_verify)
+        bitmask, verify_bitmask = self._token_bitmasks(sequences, constrained, num_seqs, num_verify)
         return StepInput(
             model=model,
-            sampling=build_sampling_batch(rows, num_seqs, bitmask),
-            penalties=PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset),
+            sampling=batch.sampling(slots, num_output, constrained, num_seqs, bitmask, self._no_bias[num_seqs]),
+            penalties=batch.penalties(slots, first == 1, model.attention.positions, lens, bucket, num_seqs),
             pending_rows=pending_rows,
-            prompt_targets=targets,
+            prompt_targets=self._prompt_targets(sequences, slots, ends - lens + 1, bucket),
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
             draft=self._draft_input(sequences, cfg.draft_rows(bucket)),
         )
+
+    def _prompt_targets(self, sequences: list[ScheduledSequence], slots, starts, bucket: int) -> np.ndarray:
+        """A chunk of a prompt being scored scores each of its tokens' successor in the prompt."""
+        targets = np.full(bucket, -1, np.int32)
+        for i in np.flatnonzero(self.batch.scores_prompt[slots]):
+            s, start = sequences[i], starts[i]
+            request = s.request
+            stop = min(s.start + s.num_tokens, request.num_prompt_tokens - 1)  # positions with a next token
+            if stop > s.start:
+                targets[start : start + stop - s.start] = request.token_buffer[s.start + 1 : stop + 1]
+        return targets
 
     def _verify_input(
         self, sequences: list[ScheduledSequence], ends: np.ndarray, num_rows: int, bitmask: np.ndarray
@@ -303,22 +314,22 @@ class ModelRunner:
         return DraftInput(rows, start, count)
 
     def _token_bitmasks(
-        self, sequences: list[ScheduledSequence], rows: list[SamplingRow], num_seqs: int, num_verify: int
+        self, sequences: list[ScheduledSequence], constrained: np.ndarray, num_seqs: int, num_verify: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """The step's token bitmasks, for its rows and its verify rows: each constrained row's grammar says
         which tokens may come next (after the drafts before the row, for a speculating request)."""
-        bitmask, verify = self._full_bitmasks[num_seqs], self._full_bitmasks[num_verify]
-        constrained = [(i, seq) for i, (seq, row) in enumerate(zip(sequences, rows, strict=True)) if row.constrained]
-        if not constrained:
-            return bitmask, verify
+        if not constrained.any():
+            return self._device_bitmasks[num_seqs], self._device_bitmasks[num_verify]
+        constrained = [(i, sequences[i]) for i in np.flatnonzero(constrained)]
         start = time.perf_counter()
-        bitmask = bitmask.copy()  # fresh arrays: the device may still read the last ones
+        bitmask = self._full_bitmasks[num_seqs].copy()  # fresh arrays: the device may still read the last ones
+        verify = self._device_bitmasks[num_verify]
         if plain := [(seq.request.grammar, i) for i, seq in constrained if not len(seq.drafts)]:
             self.bitmask_filler.fill(plain, bitmask)
         if drafting := [(i, seq) for i, seq in constrained if len(seq.drafts)]:
             # Each speculating request's masks after none, one, ... all of its drafts, then split: the first
             # ones are its verify rows', the last its own row's.
-            verify = verify.copy()
+            verify = self._full_bitmasks[num_verify].copy()
             verify_starts = verify_row_starts(sequences)
             sizes = [len(seq.drafts) + 1 for _, seq in drafting]
             offsets = np.cumsum([0, *sizes])[:-1]
@@ -331,14 +342,3 @@ class ModelRunner:
                 bitmask[i] = masks[offset + count]
         self.mask_fill_s.append(time.perf_counter() - start)
         return bitmask, verify
-
-    def _sampling_row(self, seq: ScheduledSequence) -> SamplingRow:
-        request = seq.request
-        params = request.params
-        # pending tokens count (they exist on device), and drafts: the step samples after them
-        num_output = request.seq_len - request.num_prompt_tokens + len(seq.drafts)
-        suppressed: tuple[int, ...] = ()
-        if num_output < params.min_tokens:
-            suppressed = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else tuple(self.stop_ids))
-        constrained = request.grammar is not None and seq.samples
-        return SamplingRow(params, request.seed, num_output, request.slot, suppressed, constrained)

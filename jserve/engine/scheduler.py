@@ -292,7 +292,7 @@ class Scheduler:
 
     def check_idle(self) -> None:
         """Nothing runs, and every slot and page is back (each page free or cached, unlocked), with every
-        prefix-cache invariant checked: a walk of the whole tree, for tests and JSERVE_CHECK_CACHE."""
+        prefix-cache invariant checked: a walk of the whole tree, for tests and --debug-checks."""
         assert not self.running, "a request still runs"
         self.slots.check_idle()
         self.kv.check_idle()

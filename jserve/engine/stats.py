@@ -13,12 +13,17 @@ from jserve.spec_decode.config import MAX_SPECULATIVE_TOKENS
 log = logging.getLogger("jserve")
 
 LOG_INTERVAL_S = 10.0
+# Where a step's host time goes: planning it, building its inputs, dispatching it, handing each sample to its
+# request (stop checks, logprobs), decoding text, and making the step's RequestOutputs.
+PHASES = ("schedule", "prepare", "launch", "process", "detokenize", "outputs")
 
 
 @dataclass
 class EngineStats:
     steps: int = 0
     host_s: float = 0.0  # scheduling, building and dispatching the batch, processing outputs (not waiting)
+    # host_s by phase (see PHASES); what no phase covers is the step's own bookkeeping
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     device_busy_s: float = 0.0  # steps running on the device (see device_timeline.py)
     device_idle_s: float = 0.0  # gaps between steps while work was waiting: overhead the device felt
     prompt_tokens: int = 0  # prefill tokens computed (recomputation after preemption included)

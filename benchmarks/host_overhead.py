@@ -1,0 +1,153 @@
+"""Host time per engine step: what the engine thread spends scheduling, preparing, dispatching and processing
+outputs, outside waiting for the device, at 1 / 16 / 64 / 256 running sequences.
+
+The model is random weights of a 32-layer, very narrow Llama shape (`--model random:narrow-32l`, defined here)
+whose device step is small, so the step is mostly host; `--model default` measures the default model's decode.
+Each measurement admits N greedy requests (16-token prompts, `ignore_eos`), steps until every one decodes, then
+times `--steps` decode steps: the engine's own host ms/step (the figure its stats line prints), wall ms/step,
+and, where the engine reports them, the host time by phase. XLA runs the device's work on one CPU thread
+(`--device-threads`), leaving the other core to the engine thread as a GPU would: on 2 cores, a device step
+spread over both would slow the host thread it overlaps and count as host time. `--baseline REV` runs the
+same measurement against the jserve of git revision REV (checked out in a temporary worktree) in a child
+process just before, and prints the ratio, so both sides share one machine and one run.
+
+    python benchmarks/host_overhead.py --model random:narrow-32l default --running 1 16 64 256 --baseline HEAD~1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# --device-threads (default 1) takes effect before jax is imported.
+_threads = sys.argv[sys.argv.index("--device-threads") + 1] if "--device-threads" in sys.argv else "1"
+_flags = f"--xla_cpu_multi_thread_eigen={str(_threads != '1').lower()} intra_op_parallelism_threads={_threads}"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flags}".strip()
+
+# A 32-layer Llama shape with tiny widths and SmolLM2's vocabulary (so its tokenizer decodes every id).
+NARROW = dict(family="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=32, num_heads=2,
+              num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+              tie_word_embeddings=True)  # fmt: skip
+PROMPT_LEN = 16
+
+
+def register_narrow_shape() -> None:
+    from jserve.config import ModelConfig
+    from jserve.loader.random_weights import MODEL_SHAPES
+
+    MODEL_SHAPES.setdefault("narrow-32l", ModelConfig(**NARROW))
+
+
+def measure(model: str, running: list[int], steps: int, repeats: int) -> dict:
+    """{N: {"host_ms": [...], "wall_ms": [...], "phases_ms": {phase: [...]}}} for one engine."""
+    register_narrow_shape()
+    from jserve import LLM, SamplingParams
+
+    largest = max(running)
+    llm = LLM(None if model == "default" else model, max_num_seqs=largest, max_model_len=1024,
+              max_num_batched_tokens=max(512, largest), enable_prefix_caching=False)  # fmt: skip
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    results = {}
+    for n in running:
+        entry = {"host_ms": [], "wall_ms": [], "phases_ms": {}}
+        for _ in range(repeats):
+            params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+            ids = [engine.add_request(rng.integers(100, 20000, PROMPT_LEN).tolist(), params) for _ in range(n)]
+            while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+                engine.step()
+            for _ in range(3):
+                engine.step()
+            stats = engine.stats
+            phases_before = dict(getattr(stats, "phase_s", {}))
+            before, start = (stats.steps, stats.host_s), time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = time.perf_counter() - start
+            done = stats.steps - before[0]
+            entry["host_ms"].append(1000 * (stats.host_s - before[1]) / done)
+            entry["wall_ms"].append(1000 * wall / steps)
+            for phase, seconds in getattr(stats, "phase_s", {}).items():
+                ms = 1000 * (seconds - phases_before.get(phase, 0.0)) / done
+                entry["phases_ms"].setdefault(phase, []).append(ms)
+            for request_id in ids:
+                engine.abort_request(request_id)
+            while engine.has_unfinished_requests():
+                engine.step()
+        results[n] = entry
+    return results
+
+
+def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: int, device_threads: int) -> dict:
+    """The same measurement in a child process importing jserve from a worktree of `rev`."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), rev], check=True,
+                       capture_output=True)  # fmt: skip
+        try:
+            command = [sys.executable, __file__, "--model", model, "--steps", str(steps), "--repeats", str(repeats),
+                       "--device-threads", str(device_threads), "--json", "--running", *map(str, running)]  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
+    return {int(n): entry for n, entry in json.loads(out.strip().splitlines()[-1]).items()}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(model: str, current: dict, baseline: dict | None, rev: str | None) -> None:
+    phases = sorted({p for entry in current.values() for p in entry["phases_ms"]})
+    head = ["running", "host ms/step", "wall ms/step", *(f"{p} ms" for p in phases)]
+    if baseline:
+        head += [f"{rev} host ms/step", f"{rev} wall ms/step", "host ratio"]
+    print(f"\n{model}\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+    for n, entry in current.items():
+        host = median(entry["host_ms"])
+        cells = [str(n), f"{host:.2f}", f"{median(entry['wall_ms']):.2f}"]
+        cells += [f"{median(entry['phases_ms'].get(p, [])):.2f}" for p in phases]
+        if baseline:
+            old = median(baseline[n]["host_ms"])
+            cells += [f"{old:.2f}", f"{median(baseline[n]['wall_ms']):.2f}", f"{old / host:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=["random:narrow-32l"],
+        help="random:narrow-32l (defined here), default (SmolLM2-135M), or any model jserve loads",
+    )
+    parser.add_argument("--running", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--steps", type=int, default=40, help="decode steps timed per measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per size; medians are printed")
+    parser.add_argument("--device-threads", type=int, default=1, help="XLA's CPU threads for the device's work")
+    parser.add_argument("--baseline", metavar="REV", help="also measure the jserve of this git revision")
+    parser.add_argument("--json", action="store_true", help="print the raw results as one JSON line")
+    args = parser.parse_args()
+    for model in args.model:
+        if args.json:
+            print(json.dumps(measure(model, args.running, args.steps, args.repeats)))
+            continue
+        baseline = None
+        if args.baseline:
+            baseline = run_baseline(args.baseline, model, args.running, args.steps, args.repeats, args.device_threads)
+        report(model, measure(model, args.running, args.steps, args.repeats), baseline, args.baseline)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The persistent batch: per-slot host arrays of what running requests bring to a step, and each step's inputs
+gathered from them.
+
+A request's options (sampling, penalties, seed, bias, grammar, prompt scoring) and its page-table row are
+written into its slot's rows when it joins (admission gives it a slot and a new admission index) or when its
+pages change (KVManager replaces `Request.pages`, never edits it in place, so an identity check finds it).
+A step then reads one pass of per-sequence numbers (slot, start, tokens) and gathers the rest by slot with
+vectorised numpy: no per-sequence Python beyond that pass.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jserve.attention import PAD_SLOT, AttentionMetadata, ModelInput
+from jserve.engine.request import Request
+from jserve.engine.sampler import BIAS_WIDTH, SamplingBatch, bias_entries
+from jserve.engine.step import PenaltyUpdate
+
+NO_PAGES = np.zeros(0, np.int32)
+
+
+class InputBatch:
+    def __init__(self, num_slots: int, max_pages: int, page_size: int, stop_ids: frozenset[int]):
+        self.page_size, self.stop_ids = page_size, tuple(stop_ids)
+        self.owner = np.full(num_slots, -1, np.int64)  # admit_index of the request whose options fill the row
+        self.temperature = np.zeros(num_slots, np.float32)
+        self.top_k = np.zeros(num_slots, np.int32)
+        self.top_p = np.ones(num_slots, np.float32)
+        self.min_p = np.zeros(num_slots, np.float32)
+        self.repetition_penalty = np.ones(num_slots, np.float32)
+        self.presence_penalty = np.zeros(num_slots, np.float32)
+        self.frequency_penalty = np.zeros(num_slots, np.float32)
+        self.seed = np.zeros(num_slots, np.uint32)
+        self.prompt_len = np.zeros(num_slots, np.int32)
+        self.min_tokens = np.zeros(num_slots, np.int32)
+        self.wants_logprobs = np.zeros(num_slots, bool)
+        self.uses_penalties = np.zeros(num_slots, bool)
+        self.has_grammar = np.zeros(num_slots, bool)
+        self.scores_prompt = np.zeros(num_slots, bool)
+        # The row's logit bias, and the one while min_tokens is unmet (its EOS and stop ids forbidden too).
+        self.has_bias = np.zeros(num_slots, bool)
+        self.bias_ids = np.full((num_slots, BIAS_WIDTH), -1, np.int32)
+        self.bias_values = np.zeros((num_slots, BIAS_WIDTH), np.float32)
+        self.early_bias_ids = np.full((num_slots, BIAS_WIDTH), -1, np.int32)
+        self.early_bias_values = np.zeros((num_slots, BIAS_WIDTH), np.float32)
+        self.page_table = np.zeros((num_slots, max_pages), np.int32)
+        self.pages: list[np.ndarray] = [NO_PAGES] * num_slots  # the Request.pages each page-table row copies
+
+    def join(self, slot: int, request: Request) -> None:
+        """Write a newly admitted request's options into its slot's rows."""
+        params = request.params
+        self.owner[slot] = request.admit_index
+        self.temperature[slot], self.top_k[slot], self.top_p[slot] = params.temperature, params.top_k, params.top_p
+        self.min_p[slot], self.repetition_penalty[slot] = params.min_p, params.repetition_penalty
+        self.presence_penalty[slot], self.frequency_penalty[slot] = params.presence_penalty, params.frequency_penalty
+        self.seed[slot] = request.seed % 2**32
+        self.prompt_len[slot], self.min_tokens[slot] = request.num_prompt_tokens, params.min_tokens
+        self.wants_logprobs[slot] = params.logprobs is not None
+        self.uses_penalties[slot] = params.uses_penalties
+        self.has_grammar[slot] = request.grammar is not None
+        self.scores_prompt[slot] = params.prompt_logprobs is not None
+        suppressed = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else self.stop_ids)
+        plain, early = bias_entries(params), bias_entries(params, suppressed if params.min_tokens else ())
+        self.has_bias[slot] = bool(plain) or bool(early)
+        for ids, values, entries in ((self.bias_ids, self.bias_values, plain),
+                                     (self.early_bias_ids, self.early_bias_values, early)):  # fmt: skip
+            ids[slot], values[slot] = -1, 0.0
+            ids[slot, : len(entries)] = list(entries)
+            values[slot, : len(entries)] = list(entries.values())
+
+    def set_pages(self, slot: int, pages: np.ndarray) -> None:
+        self.page_table[slot, : len(pages)] = pages
+        self.pages[slot] = pages
+
+    def model_input(self, slots, starts, lens, token_ids, num_tokens: int, num_seqs: int) -> ModelInput:
+        """The step's padded ragged batch: `lens[i]` tokens of the sequence in `slots[i]` from `starts[i]`."""
+        n, page = len(slots), self.page_size
+        cu = np.zeros(n + 1, np.int32)
+        np.cumsum(lens, out=cu[1:])
+        total = int(cu[-1])
+        seq_of_token = np.repeat(np.arange(n), lens)
+        real_pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - cu[seq_of_token]
+        ids = np.zeros(num_tokens, np.int32)
+        ids[:total] = token_ids
+        positions = np.zeros(num_tokens, np.int32)
+        positions[:total] = real_pos
+        slot_mapping = np.full(num_tokens, PAD_SLOT, np.int32)
+        slot_mapping[:total] = self.page_table[slots[seq_of_token], real_pos // page] * page + real_pos % page
+        page_tables = np.zeros((num_seqs, self.page_table.shape[1]), np.int32)
+        page_tables[:n] = self.page_table[slots]
+        context_lens = np.zeros(num_seqs, np.int32)
+        context_lens[:n] = starts + lens
+        query_start_loc = np.full(num_seqs + 1, total, np.int32)
+        query_start_loc[: n + 1] = cu
+        logits_indices = np.zeros(num_seqs, np.int32)
+        logits_indices[:n] = cu[1:] - 1
+        attention = AttentionMetadata(positions, slot_mapping, page_tables, context_lens, query_start_loc)
+        return ModelInput(ids, attention, logits_indices)
+
+    def sampling(self, slots, num_output, constrained, num_seqs: int, bitmask, no_bias) -> SamplingBatch:
+        """The step's sampling rows: each sequence's options gathered from its slot, padding rows greedy with
+        every option off. `num_output`: tokens generated before the row's sample; `no_bias`: the (ids, values)
+        to pass when no row has a bias (kept on the device by the runner)."""
+        n = len(slots)
+
+        def column(table: np.ndarray, pad) -> np.ndarray:
+            out = np.full(num_seqs, pad, table.dtype)
+            out[:n] = table[slots]
+            return out
+
+        early = num_output < self.min_tokens[slots]
+        if self.has_bias[slots].any():
+            bias_ids, bias_values = (
+                np.full((num_seqs, BIAS_WIDTH), -1, np.int32),
+                np.zeros((num_seqs, BIAS_WIDTH), np.float32),
+            )
+            bias_ids[:n] = np.where(early[:, None], self.early_bias_ids[slots], self.bias_ids[slots])
+            bias_values[:n] = np.where(early[:, None], self.early_bias_values[slots], self.bias_values[slots])
+        else:
+            bias_ids, bias_values = no_bias
+        steps = np.zeros(num_seqs, np.int32)
+        steps[:n] = num_output
+        padded_slots = np.zeros(num_seqs, np.int32)
+        padded_slots[:n] = slots
+        rows_constrained = np.zeros(num_seqs, bool)
+        rows_constrained[:n] = constrained
+        return SamplingBatch(
+            temperature=column(self.temperature, 0.0),
+            top_k=column(self.top_k, 0),
+            top_p=column(self.top_p, 1.0),
+            min_p=column(self.min_p, 0.0),
+            repetition_penalty=column(self.repetition_penalty, 1.0),
+            presence_penalty=column(self.presence_penalty, 0.0),
+            frequency_penalty=column(self.frequency_penalty, 0.0),
+            seeds=column(self.seed, 0),
+            steps=steps,
+            slots=padded_slots,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            wants_top_logprobs=column(self.wants_logprobs, False),
+            token_bitmask=bitmask,
+            constrained=rows_constrained,
+        )
+
+    def penalties(self, slots, first, positions: np.ndarray, lens, num_tokens: int, num_seqs: int) -> PenaltyUpdate:
+        """Only requests with penalties read their token history, so only theirs is recorded (a step of others
+        skips the [S, V] update on device); it starts afresh with their first chunk."""
+        n = len(slots)
+        seq_of_token = np.repeat(np.arange(n), lens)
+        total = len(seq_of_token)
+        token_slots = np.zeros(num_tokens, np.int32)
+        token_slots[:total] = slots[seq_of_token]
+        tracked = self.uses_penalties[slots]
+        is_output = np.zeros(num_tokens, bool)
+        recorded = np.zeros(num_tokens, bool)
+        if tracked.any():
+            is_output[:total] = positions[:total] >= self.prompt_len[slots][seq_of_token]
+            recorded[:total] = tracked[seq_of_token]
+        padded_slots = np.zeros(num_seqs, np.int32)
+        padded_slots[:n] = slots
+        reset = np.zeros(num_seqs, bool)
+        reset[:n] = tracked & first
+        return PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset)
