@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from jserve.command_line import build_parser
+from jserve.engine.args import EngineArgs
 from jserve.errors import JServeError, short_repr
 
 
@@ -86,10 +88,7 @@ def load_config(path: str | os.PathLike) -> dict[str, Any]:
     gives `max_num_seqs=64`). Keys of the server and the command line only (port, host, max-queue,
     temperature...) are valid and left out. An unknown key or a bad value raises ValueError naming it and
     the file."""
-    from jserve.cli import build_parser  # the commands' flags are the keys; cli imports this module
-    from jserve.engine.args import EngineArgs
-
-    keys: dict[str, argparse.Action] = {}
+    keys: dict[str, argparse.Action] = {}  # the commands' flags are the keys
     for command in _subcommands(build_parser()).values():
         if any(action.dest == "config" for action in command._actions):
             keys |= config_keys(command)

@@ -136,7 +136,7 @@ class LLM:
         ids: list[str] = []
         try:
             for (text, prompt_ids), p, prio in zip(prompts, params, priorities, strict=True):
-                ids.append(self.engine.add_request(prompt_ids, p, priority=prio, prompt_text=text))
+                ids.append(self.engine.add_request(prompt_ids, p, priority=prio, prompt_text=text, stream=False))
             return self._drain(ids, use_tqdm)
         except BaseException:  # a bad prompt, or Ctrl-C: withdraw this batch, leave the engine usable
             for request_id in ids:

@@ -3,7 +3,8 @@
 Field names and meanings follow vLLM's SamplingParams (and so the OpenAI API). Every bad value raises a
 RequestError (a ValueError) whose message gives the allowed range and whose `param` is the field, so the
 server can hand both to the client.
-Checks that need the model's vocabulary are left to `validate_for_vocab`, which the engine calls. Sizes
+Checks that need the model's vocabulary are left to `validate_for_vocab`, which the engine's RequestValidator
+(engine/validation.py) calls with its other checks. Sizes
 a request could use to exhaust the server (stop strings, logit_bias entries) have limits, below.
 """
 

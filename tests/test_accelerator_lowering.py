@@ -19,6 +19,7 @@ from jserve import LLM
 from jserve.attention import KVPages, resolve_attention_backend
 from jserve.engine.penalties import init_penalty_state
 from jserve.engine.sampler import full_bitmask
+from jserve.engine.step_packing import StepPacking
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import abstract_model
 from jserve.spec_decode import Drafter
@@ -64,8 +65,9 @@ def lower_step(
         verify_bitmask = full_bitmask(step.verify.token_bitmask.shape[0], config.vocab_size)
         step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask),
                        verify=replace(step.verify, token_bitmask=verify_bitmask))  # fmt: skip
-        args = (graphdef, attention, params_def, drafter, params, draft_params, kv_cache, kv_cache[:2], penalties,
-                runner.sampled, step)  # fmt: skip
+        packing = StepPacking.of(step)
+        args = (graphdef, attention, params_def, drafter, packing, params, draft_params, kv_cache, kv_cache[:2],
+                penalties, runner.sampled, packing.pack(step))  # fmt: skip
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
     return texts

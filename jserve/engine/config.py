@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +15,25 @@ from jserve.attention import fit_attention_backend, kv_cache_bytes_per_token, re
 from jserve.config import ModelConfig
 from jserve.spec_decode import SpeculativeConfig
 
-if TYPE_CHECKING:  # args imports this module
-    from jserve.engine.args import EngineArgs
+
+class Settings(Protocol):
+    """What resolving reads of the user's settings (EngineArgs, whose fields document them)."""
+
+    max_model_len: int | None
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    page_size: int
+    kv_cache_memory: int | None
+    kv_cache_dtype: str
+    attention_backend: str
+    tensor_parallel_size: int
+    speculative_config: dict | str | None
+    schedule_policy: str
+    seed: int
+    enable_prefix_caching: bool
+    async_scheduling: bool
+    debug_checks: bool
+
 
 log = logging.getLogger("jserve")
 
@@ -151,7 +168,7 @@ def default_kv_cache_memory(limits: DeviceLimits, step_workspace: int) -> int:
 
 
 def resolve_engine_config(
-    args: EngineArgs, model: ModelConfig, dtype, limits: DeviceLimits | None = None, draft: ModelConfig | None = None
+    args: Settings, model: ModelConfig, dtype, limits: DeviceLimits | None = None, draft: ModelConfig | None = None
 ) -> EngineConfig:
     """`model` is the config as built (KV heads replicated for tensor parallelism), `dtype` the weights'.
     kv_cache_memory is per device, and each device holds 1/tensor_parallel_size of every page. `limits`: the

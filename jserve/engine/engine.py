@@ -17,11 +17,11 @@ from jserve.engine.output_processor import OutputProcessor
 from jserve.engine.progress import progress
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
-from jserve.engine.sampler import SamplerOutput, bias_entries
+from jserve.engine.sampler import SamplerOutput
 from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
-from jserve.engine.stats import EngineStats
+from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
 from jserve.engine.step import StepOutput
-from jserve.errors import RequestError
+from jserve.engine.validation import RequestValidator
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
@@ -60,7 +60,8 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(child.is_finished for child in self.children)
+        children = self.children
+        return children[0].is_finished if len(children) == 1 else all(child.is_finished for child in children)
 
 
 class LLMEngine:
@@ -80,6 +81,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.stats, self.speculator)
         self.runner = ModelRunner(model, config, self.eos_ids, draft)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
+        self.validator = RequestValidator(config, model.config.vocab_size, self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
         self.parents: dict[str, ParentRequest] = {}
         self._rng = np.random.default_rng(config.seed)
@@ -138,31 +140,21 @@ class LLMEngine:
         priority: int = 0,
         prompt_text: str | None = None,
         cache_salt: str | None = None,
+        stream: bool = True,
     ) -> str:
         """Validate and queue a request; raises ValueError (naming the field) before anything is queued.
 
         The prompt comes as token ids, which its callers encode (LLM, and the server's handlers, which need
         the ids to check a request before queueing it, and tokenize off the engine thread); `prompt_text` is
         its text (e.g. a rendered chat template) for the output. Requests share cached prefixes only with
-        requests of the same `cache_salt`."""
+        requests of the same `cache_salt`. `stream`: step() returns the request's output after each step that
+        adds to it; otherwise only its finished output (which holds the whole completion either way)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = self._prompt_ids(prompt_token_ids)
-        params.validate_for_vocab(self.model.config.vocab_size)
-        if params.n > self.config.max_num_seqs:  # each completion is a sequence of its own
-            raise RequestError(f"n must be at most max_num_seqs ({self.config.max_num_seqs}), got {params.n}", "n")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestError(f"priority must be an integer, got {priority!r:.60}", "priority")
-        if priority != 0 and self.config.schedule_policy != "priority":
-            policy = self.config.schedule_policy
-            raise RequestError(
-                f"priority is honoured only with schedule_policy 'priority' (--schedule-policy priority); this "
-                f"engine runs '{policy}', got {priority}",
-                "priority",
-            )
-        bias_entries(params, tuple(self.eos_ids) + params.stop_token_ids)  # raises now if the bias row overflows
+        ids = self.validator.prompt_ids(prompt_token_ids)
+        self.validator.check(params, priority)
         # Compiled now, or found in the cache where the server compiled it off this thread.
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         seeds = [
@@ -183,6 +175,7 @@ class LLMEngine:
                 parent_id=request_id,
                 cache_salt=cache_salt,
                 grammar=grammar.matcher() if grammar else None,
+                stream=stream,
             )
             for i, seed in enumerate(seeds)
         ]
@@ -191,26 +184,6 @@ class LLMEngine:
             self.outputs.register(child)
             self.scheduler.add(child)
         return request_id
-
-    def _prompt_ids(self, prompt_token_ids: list[int]) -> list[int]:
-        if isinstance(prompt_token_ids, str):
-            raise TypeError("add_request takes token ids; encode a text prompt with the tokenizer first")
-        ids = [int(t) for t in prompt_token_ids]
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"prompt_token_ids contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "prompt"
-            )
-        if not ids:
-            raise RequestError("prompt is empty", "prompt")
-        if len(ids) >= self.config.max_model_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens, but max_model_len is {self.config.max_model_len} "
-                "(the prompt plus at least one generated token must fit)",
-                "prompt",
-            )
-        return ids
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.get(request_id)
@@ -351,7 +324,8 @@ class LLMEngine:
                 tokens = self._verified_tokens(seq, verified, int(verify_rows[row]), samples, row)
             if not sampled or request.is_finished:  # finished by the step before: this token is surplus
                 continue
-            changed.add(request.parent_id)
+            if request.stream:
+                changed.add(request.parent_id)
             if request.first_token_time is None:
                 request.first_token_time = now
             finish = None
@@ -365,6 +339,7 @@ class LLMEngine:
                 continue
             if finish is not None:
                 self.scheduler.finish(request, *finish)
+                changed.add(request.parent_id)
             elif row in proposing:
                 self.speculator.drafted(request, proposals[proposing[row]])
         stats.steps += 1
@@ -407,6 +382,20 @@ class LLMEngine:
         for offset, seq in scored:
             self.outputs.record_prompt_scores(seq.request, scores, int(offset), seq.start, seq.num_tokens)
         return waited
+
+    def snapshot(self) -> EngineSnapshot:
+        """Where the engine stands: its queues, its KV usage and its running totals."""
+        scheduler, stats, spec = self.scheduler, self.stats, self.config.speculative
+        running, pages = len(scheduler.running), scheduler.pool.num_pages
+        return EngineSnapshot(
+            running=running,
+            waiting=scheduler.num_unfinished - running,
+            kv_cache_usage=scheduler.num_used_pages / pages,
+            prefix_cache_usage=scheduler.num_reclaimable_pages / pages,
+            **{name: getattr(stats, name) for name in TOTALS},
+            spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos[: spec.num_speculative_tokens].tolist())
+            if spec is not None else (),
+        )  # fmt: skip
 
     def sync_stats(self) -> EngineStats:
         """The stats, once the device timeline has accounted for every launched step."""

@@ -43,6 +43,7 @@ class Request:
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
     cache_salt: str | None = None  # prefix-cache namespace: requests share cached pages only within one
+    stream: bool = True  # its consumer reads every step's delta (else only the finished output)
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING  # Scheduler

@@ -25,6 +25,7 @@ from jserve.engine.progress import progress
 from jserve.engine.sampler import BIAS_WIDTH, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
 from jserve.engine.step import StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
+from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
@@ -78,6 +79,7 @@ class ModelRunner:
             spec = config.speculative
             self.drafter = Drafter(draft.graphdef, draft_def, model.config.vocab_size, spec.num_speculative_tokens)
         self.executables: dict[int, jax.stages.Compiled] = {}
+        self.packings: dict[int, StepPacking] = {}  # by bucket: how its step's host arrays travel
         # Steps without a grammar share one all-ones bitmask per batch size: never written, so a step still
         # reading it on the device cannot see a later step's mask.
         batch_sizes = {config.seq_bucket(bucket) for bucket in config.token_buckets}
@@ -118,10 +120,11 @@ class ModelRunner:
                 step = self.prepare([], bucket)
                 if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
                     self._exchange(bucket, step)
+                packing = self.packings[bucket] = StepPacking.of(step)
                 lowered = self.step_fn.lower(
-                    self.model.graphdef, self.attention, self.params_def, self.drafter, self.params,
+                    self.model.graphdef, self.attention, self.params_def, self.drafter, packing, self.params,
                     self.draft_params, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled,
-                    self._placed(step),
+                    self._placed(packing.pack(step)),
                 )  # fmt: skip
                 compiling.append((bucket, step, compiler.submit(lowered.compile)))
                 # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
@@ -185,15 +188,15 @@ class ModelRunner:
     def _execute(self, bucket: int, step: StepInput) -> StepOutput:
         out, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled = self.executables[bucket](
             self.params, self.draft_params, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled,
-            self._placed(step),
+            self._placed(self.packings[bucket].pack(step)),
         )  # fmt: skip
         return out
 
-    def _placed(self, step: StepInput) -> StepInput:
+    def _placed(self, packed: PackedStep) -> PackedStep:
         """The step's inputs as the executable takes them: on one device the numpy arrays themselves (cheaper
         than a device_put per array); with a mesh replicated, as the step was compiled for (left to itself,
         the compiler would split the token bitmask by vocabulary like the logits it masks)."""
-        return step if self.input_sharding is None else jax.device_put(step, self.input_sharding)
+        return packed if self.input_sharding is None else jax.device_put(packed, self.input_sharding)
 
     def _put(self, array: np.ndarray) -> jax.Array:
         return jax.device_put(array, self.input_sharding)

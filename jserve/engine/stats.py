@@ -18,6 +18,46 @@ LOG_INTERVAL_S = 10.0
 PHASES = ("schedule", "prepare", "launch", "process", "detokenize", "outputs")
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine as its monitors see it after a step (LLMEngine.snapshot): gauges, then running totals."""
+
+    running: int  # requests in the running batch
+    waiting: int  # requests queued, preempted ones included
+    kv_cache_usage: float  # fraction of KV pages held by requests
+    prefix_cache_usage: float  # fraction of KV pages holding cached prefixes no request uses (free to reclaim)
+    prompt_tokens: int
+    generated_tokens: int
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    steps: int
+    host_s: float
+    device_busy_s: float
+    device_idle_s: float
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: tuple[int, ...]  # one per draft position the engine proposes (empty without)
+
+
+# EngineSnapshot's running totals (the fields it copies from EngineStats).
+TOTALS = (
+    "prompt_tokens",
+    "generated_tokens",
+    "preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "steps",
+    "host_s",
+    "device_busy_s",
+    "device_idle_s",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+)
+
+
 @dataclass
 class EngineStats:
     steps: int = 0

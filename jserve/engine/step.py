@@ -31,6 +31,7 @@ from jserve.engine.sampler import (
     sample,
     update_penalty_state,
 )
+from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.models.forward import forward_states
 from jserve.spec_decode.draft_model import Drafter, DraftInput
 
@@ -92,14 +93,16 @@ def engine_step(
     attention: AttentionBackend,
     params_def: jax.tree_util.PyTreeDef,
     drafter: Drafter | None,
+    packing: StepPacking,
     params: list[jax.Array],
     draft_params: list[jax.Array],
     kv_cache: KVCache,
     draft_kv: KVCache,
     penalty_state: PenaltyState,
     sampled: jax.Array,
-    step: StepInput,
+    packed: PackedStep,
 ) -> tuple[StepOutput, KVCache, KVCache, PenaltyState, jax.Array]:
+    step: StepInput = packing.unpack(packed)
     rows = step.pending_rows
     token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], step.model.token_ids)
     model_input = replace(step.model, token_ids=token_ids)
@@ -143,6 +146,9 @@ def verify_drafts(
 def jit_engine_step(out_shardings=None):
     """engine_step compiled with the carried state (KV caches, penalty state, sampled ids) donated. The
     parameters come as a flat list, their structure static: flattening the model's State on every call cost
-    about 0.75 ms of host time per step. With tensor parallelism the runner pins the output shardings to
-    the input ones, so donated state keeps its layout step to step."""
-    return jax.jit(engine_step, static_argnums=(0, 1, 2, 3), donate_argnums=(6, 7, 8, 9), out_shardings=out_shardings)
+    about 0.75 ms of host time per step; the step's own host arrays come packed (step_packing.py). With
+    tensor parallelism the runner pins the output shardings to the input ones, so donated state keeps its
+    layout step to step."""
+    return jax.jit(
+        engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 9, 10), out_shardings=out_shardings
+    )

@@ -21,13 +21,14 @@ from starlette.routing import Route
 import jserve
 from jserve.engine.args import EngineArgs
 from jserve.errors import RequestError, short_repr
-from jserve.server.async_engine import AsyncEngine, EngineError, EngineState, Submission
+from jserve.server.async_engine import AsyncEngine, EngineState
 from jserve.server.commands import PromptInput
 from jserve.server.errors import APIError, bad_request
 from jserve.server.metrics import ServerMetrics
 from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_tokenize
 from jserve.server.request_body import read_json_object
 from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
+from jserve.server.submission import EngineError, Submission
 from jserve.tools import get_tool_parser
 from jserve.tools.chat_tools import ChatTools
 from jserve.tools.extract import ToolCalls

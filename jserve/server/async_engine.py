@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jserve.engine.args import EngineArgs
@@ -26,6 +26,7 @@ from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.server.commands import AbortRequests, AddRequests, Command, PromptInput, Stop
 from jserve.server.metrics import ServerMetrics
+from jserve.server.submission import EngineError, Submission
 from jserve.structured import GrammarCompiler
 from jserve.tokenizer import Tokenizer
 
@@ -42,10 +43,6 @@ class EngineState(enum.Enum):
     STOPPED = "stopped"
 
 
-class EngineError(RuntimeError):
-    """The engine failed while running this request (not the request's fault)."""
-
-
 @dataclass(frozen=True)
 class EngineInfo:
     """What handlers may know of the loaded model, captured once by the engine thread before it serves."""
@@ -54,57 +51,6 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     grammars: GrammarCompiler  # thread-safe: handlers compile off the engine thread, the engine finds them cached
-
-
-class Submission:
-    """The engine requests of one HTTP call (one per prompt), read from the event loop as they progress."""
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], n: int):
-        self.engine, self.request_ids, self.n = engine, request_ids, n
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.unstarted = set(request_ids)  # no output yet: their n sequences each count against --max-queue
-        self.latest: dict[str, RequestOutput] = {}
-        self.closed = False
-
-    def prompt_index(self, out: RequestOutput) -> int:
-        return self.request_ids.index(out.request_id)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        """Every output as it comes, until all this call's requests have finished."""
-        pending = set(self.request_ids)
-        while pending:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if any(c.finish_reason == "error" for c in item.outputs):
-                raise EngineError(
-                    "the engine failed while running this request (the server log says why); "
-                    "other requests were not affected"
-                )
-            self.latest[item.request_id] = item
-            if item.finished:
-                pending.discard(item.request_id)
-            yield item
-        self.closed = True
-
-    async def results(self) -> list[RequestOutput]:
-        """The finished outputs, in prompt order."""
-        async for _ in self:
-            pass
-        return [self.latest[i] for i in self.request_ids]
-
-    def abort(self) -> None:
-        """End this call: abort whatever has not finished (their KV pages are freed within a step)."""
-        self.engine.forget(self)
-        if not self.closed:
-            self.closed = True
-            self.engine.commands.put(AbortRequests(tuple(self.request_ids)))
-
-    def _deliver(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(item, RequestOutput):
-            self.unstarted.discard(item.request_id)
-        self.queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -142,7 +88,7 @@ class AsyncEngine:
         if params.structured_outputs is not None:
             await asyncio.to_thread(self.info.grammars.compile, params.structured_outputs)
         prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        submission = Submission(self, [f"{prefix}-{i}" for i in range(len(prompts))], params.n)
+        submission = Submission([f"{prefix}-{i}" for i in range(len(prompts))], params.n, self._abort)
         accepted = submission.loop.create_future()
         self.submissions.add(submission)
         self.commands.put(AddRequests(submission, prompts, params, priority, cache_salt, accepted))
@@ -153,8 +99,11 @@ class AsyncEngine:
             raise
         return submission
 
-    def forget(self, submission: Submission) -> None:
+    def _abort(self, submission: Submission, unfinished: bool) -> None:
+        """A submission's call ended: stop routing to it, and abort its requests if some have not finished."""
         self.submissions.discard(submission)
+        if unfinished:
+            self.commands.put(AbortRequests(tuple(submission.request_ids)))
 
     def begin_drain(self, abort_after: float | None = None) -> None:
         """Take no new requests; those in flight finish, or after `abort_after` seconds end with an error
@@ -264,7 +213,7 @@ class AsyncEngine:
             self.metrics.observe_output(out, now)
             if submission is not None:
                 batch.append((submission, out))
-        self.metrics.observe_step(self.engine)
+        self.metrics.observe_step(self.engine.snapshot())
         if batch:
             batch[0][0].loop.call_soon_threadsafe(_deliver_batch, batch)
 

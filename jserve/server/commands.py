@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from jserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # async_engine imports this module
-    from jserve.server.async_engine import Submission
+from jserve.server.submission import Submission
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from jserve.engine.stats import EngineSnapshot
 from jserve.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -54,37 +55,35 @@ class ServerMetrics:
         self.queue_time = make(
             Histogram, "request_queue_time_seconds", "Arrival to first scheduled", buckets=LATENCY_BUCKETS
         )
-        self._counted = (0,) * 12
+        # EngineSnapshot's running totals, by name, and their values at the last observation
+        self._totals = {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generation_tokens,
+                        "preemptions": self.preemptions, "prefix_cache_queries": self.prefix_queries,
+                        "prefix_cache_hits": self.prefix_hits, "steps": self.steps, "host_s": self.host_seconds,
+                        "device_busy_s": self.device_busy, "device_idle_s": self.device_idle,
+                        "spec_drafts": self.spec_drafts, "spec_draft_tokens": self.spec_draft_tokens,
+                        "spec_accepted_tokens": self.spec_accepted}  # fmt: skip
+        self._counted: dict[str, float] = {}
         self._last_token: dict[tuple[str, int], float] = {}  # (request, completion) -> when its last token came
         self._started: set[str] = set()  # requests whose first token was counted
         # Completions counted as finished: with n > 1 a finished one is in every output until its siblings end.
         self._finished: set[tuple[str, int]] = set()
 
-    def observe_step(self, engine) -> None:
-        scheduler, stats = engine.scheduler, engine.stats
-        running = len(scheduler.running)
-        self.running.set(running)
-        self.waiting.set(scheduler.num_unfinished - running)
-        self.kv_usage.set(scheduler.num_used_pages / scheduler.pool.num_pages)
-        self.prefix_cache_usage.set(scheduler.num_reclaimable_pages / scheduler.pool.num_pages)
-        counts = (stats.prompt_tokens, stats.generated_tokens, stats.preemptions, stats.prefix_cache_queries,
-                  stats.prefix_cache_hits, stats.steps, stats.host_s, stats.device_busy_s, stats.device_idle_s,
-                  stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)  # fmt: skip
-        counters = (self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries, self.prefix_hits,
-                    self.steps, self.host_seconds, self.device_busy, self.device_idle, self.spec_drafts,
-                    self.spec_draft_tokens, self.spec_accepted)  # fmt: skip
-        for counter, now, before in zip(counters, counts, self._counted, strict=True):
+    def observe_step(self, snapshot: EngineSnapshot) -> None:
+        self.running.set(snapshot.running)
+        self.waiting.set(snapshot.waiting)
+        self.kv_usage.set(snapshot.kv_cache_usage)
+        self.prefix_cache_usage.set(snapshot.prefix_cache_usage)
+        for name, counter in self._totals.items():
+            now, before = getattr(snapshot, name), self._counted.get(name, 0)
             if now > before:
                 counter.inc(now - before)
-        self._counted = counts
-        spec = engine.config.speculative
-        if spec is not None:  # one series per draft position the engine can propose
-            per_pos = stats.spec_accepted_per_pos[: spec.num_speculative_tokens].tolist()
-            before = self._accepted_per_pos or [0] * len(per_pos)
-            for position, (now, then) in enumerate(zip(per_pos, before, strict=True)):
-                if now > then or self._accepted_per_pos is None:
-                    self.spec_accepted_per_pos.labels(position=str(position), **self._labels).inc(now - then)
-            self._accepted_per_pos = per_pos
+            self._counted[name] = now
+        per_pos = snapshot.spec_accepted_per_pos  # one series per draft position the engine can propose
+        before = self._accepted_per_pos or (0,) * len(per_pos)
+        for position, (now, then) in enumerate(zip(per_pos, before, strict=True)):
+            if now > then or self._accepted_per_pos is None:
+                self.spec_accepted_per_pos.labels(position=str(position), **self._labels).inc(now - then)
+        self._accepted_per_pos = per_pos
 
     def observe_output(self, out: RequestOutput, now: float) -> None:
         metrics = out.metrics

@@ -18,19 +18,44 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from jserve.spec_decode.config import SpeculativeConfig
 from jserve.spec_decode.ngram import propose_ngram
 
-if TYPE_CHECKING:
-    from jserve.engine.request import Request
-    from jserve.engine.scheduler import ScheduledSequence
-    from jserve.engine.stats import EngineStats
-
 MAX_BACKOFF_STEPS = 32
+
+
+# What the Speculator reads of the engine's objects, declared here so that this package needs nothing of the
+# engine's (the engine passes its own Request, ScheduledSequence and EngineStats).
+
+
+class Request(Protocol):
+    request_id: str
+    params: Any  # SamplingParams: uses_penalties, min_tokens
+    grammar: Any  # a GrammarMatcher (valid_prefix), or None
+    token_buffer: np.ndarray  # prompt then output tokens, num_tokens of them known
+    num_tokens: int
+    num_pending: int  # tokens sampled by launched steps, not fetched yet
+    num_output_tokens: int
+
+
+class ScheduledSequence(Protocol):  # a frozen dataclass: dataclasses.replace makes the changed copy
+    request: Request
+    num_tokens: int  # the request's own tokens this step, then its drafts
+    drafts: np.ndarray
+    samples: bool  # the step samples the request's next token
+
+
+class Counters(Protocol):
+    """The engine's speculation counters (vLLM's): verifications, drafts proposed, accepted, by position."""
+
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: np.ndarray
 
 
 @dataclass
@@ -46,7 +71,7 @@ class _Record:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, stats: EngineStats):
+    def __init__(self, config: SpeculativeConfig, stats: Counters):
         self.config, self.stats = config, stats
         self.break_even = 0.0  # accepted drafts per verification below which proposing costs more than it saves
         self.step = 0
