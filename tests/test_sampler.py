@@ -6,15 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sampling_rows import SamplingRow, build_sampling_batch
 
 from jserve.engine import sampler
 from jserve.engine.sampler import (
     BIAS_WIDTH,
     TOP_HEAD,
     PenaltyState,
-    SamplingRow,
     bias_entries,
-    build_sampling_batch,
     full_bitmask,
     init_penalty_state,
     process_logits,
