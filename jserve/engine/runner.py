@@ -218,8 +218,10 @@ class ModelRunner:
         the compiler would split the token bitmask by vocabulary like the logits it masks)."""
         return packed if self.input_sharding is None else jax.device_put(packed, self.input_sharding)
 
-    def _put(self, array: np.ndarray) -> jax.Array:
-        return jax.device_put(array, self.input_sharding)
+    def _put(self, array: np.ndarray) -> jax.Array | np.ndarray:
+        """A constant input kept on the device; across hosts it stays on the host, where the leader's step
+        broadcast (numpy arrays, replicated by every process alike) can take it."""
+        return array if is_multi_process() else jax.device_put(array, self.input_sharding)
 
     def _exchange(self, bucket: int, step: StepInput) -> None:
         if is_leader():
