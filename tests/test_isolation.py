@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jserve import LLM, SamplingParams
+from jserve.engine.input_batch import InputBatch
 from jserve.engine.runner import ModelRunner
 from jserve.sampling_params import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
@@ -86,16 +87,17 @@ def test_priority_needs_the_priority_policy(llm, tiny_llama_checkpoint):
     assert outputs[1].metrics.first_scheduled_time < outputs[0].metrics.first_scheduled_time
 
 
-def _fail_for_seed(monkeypatch, method: str, seed: int) -> None:
-    """Make ModelRunner.<method> raise for the request with this sampling seed, as a bug there would."""
-    original = getattr(ModelRunner, method)
+def _fail_for_seed(monkeypatch, seed: int) -> None:
+    """Make InputBatch.join, where a request's own options enter the step's inputs, raise for the request
+    with this sampling seed, as a bug there would."""
+    original = InputBatch.join
 
-    def faulty(self, seq, *args):
-        if seq.request.seed == seed:
+    def faulty(self, slot, request):
+        if request.seed == seed:
             raise RuntimeError("injected fault")
-        return original(self, seq, *args)
+        return original(self, slot, request)
 
-    monkeypatch.setattr(ModelRunner, method, faulty)
+    monkeypatch.setattr(InputBatch, "join", faulty)
 
 
 def _fail_output_for_seed(monkeypatch, llm, seed: int) -> None:
@@ -113,7 +115,7 @@ def _fail_output_for_seed(monkeypatch, llm, seed: int) -> None:
 @pytest.mark.parametrize("stage", ["prepare", "output"])
 def test_a_fault_in_one_request_fails_it_alone(llm, solo, monkeypatch, stage):
     if stage == "prepare":
-        _fail_for_seed(monkeypatch, "_sampling_row", seed=666)
+        _fail_for_seed(monkeypatch, seed=666)
     else:
         _fail_output_for_seed(monkeypatch, llm, seed=666)
     faulty = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, seed=666)

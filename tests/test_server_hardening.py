@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from jserve.engine.args import EngineArgs
-from jserve.engine.runner import ModelRunner
+from jserve.engine.input_batch import InputBatch
 from jserve.sampling_params import MAX_STOP_STRINGS
 from jserve.server import ServerSettings
 from jserve.server.protocol import MAX_PROMPTS
@@ -203,14 +203,14 @@ def test_the_largest_request_that_fits_runs(server):
 
 def test_a_request_that_fails_in_the_engine_gets_500_and_the_others_finish(server, monkeypatch):
     expected = greedy(server, prompt_ids(2), max_tokens=24)
-    original = ModelRunner._sampling_row
+    original = InputBatch.join  # where a request's own options enter the step's inputs
 
-    def faulty(self, seq):
-        if seq.request.params.seed == 666:
+    def faulty(self, slot, request):
+        if request.params.seed == 666:
             raise RuntimeError("injected fault")
-        return original(self, seq)
+        return original(self, slot, request)
 
-    monkeypatch.setattr(ModelRunner, "_sampling_row", faulty)
+    monkeypatch.setattr(InputBatch, "join", faulty)
 
     async def main():
         async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=60) as client:
