@@ -5,8 +5,10 @@ enum category, a shopping list with minItems / maxItems, a company with a nested
 is in the prompt and, for the constrained run, in `structured_outputs`. Greedy. Each repeat, at each
 concurrency (1: one request per call; C: all requests in one call, max_num_seqs C), runs the requests
 constrained, then unconstrained with ignore_eos and max_tokens = the tokens each request emitted
-constrained, so both runs emit the same tokens. Prints output tok/s medians and constrained / unconstrained,
-host ms per constrained step spent filling token bitmasks (p50 / p99), schema compile ms (cold: a schema
+constrained, so both runs emit the same tokens, then constrained again with every grammar row sampled inside
+its step ("waiting": the step waits for the one before it, as when the rows cannot be sampled after launch).
+Prints output tok/s medians and their ratios to unconstrained, host ms per constrained step spent filling
+token bitmasks (p50 / p99), schema compile ms (cold: a schema
 never seen; cached: the same again), and whether each output that finished "stop" is JSON valid under its
 schema.
 
@@ -143,8 +145,13 @@ def main() -> None:
     constrained = json_params(args.max_tokens)
     run(llm, prompts, json_params(4), len(prompts))  # compiles the grammars: the runs find them cached
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # first-execution costs
+    runner = llm.engine.runner
+    while not runner.deferred.ready:  # grammar rows sampled after launch: compiled in the background
+        time.sleep(0.1)
+    deferring = type(runner).defers_grammar
 
-    rates = {(c, kind): [] for c in args.concurrency for kind in ("constrained", "unconstrained")}
+    kinds = ("constrained", "unconstrained", "waiting")
+    rates = {(c, kind): [] for c in args.concurrency for kind in kinds}
     fill_s, finished = {c: [] for c in args.concurrency}, {c: [] for c in args.concurrency}
     for repeat in range(args.repeats):  # alternate so drifting machine load hits both alike
         for c in args.concurrency:
@@ -156,11 +163,17 @@ def main() -> None:
             free = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
             free_outputs, free_seconds = run(llm, prompts, free, c)
             assert [len(o.outputs[0].token_ids) for o in free_outputs] == lens
-            on, off = sum(lens) / seconds, sum(lens) / free_seconds
-            rates[c, "constrained"].append(on)
-            rates[c, "unconstrained"].append(off)
+            # the same constrained requests with each grammar row sampled inside its step, which then waits
+            # for the step before it (no overlap for the whole batch)
+            type(runner).defers_grammar = property(lambda self: False)
+            waiting_outputs, waiting_seconds = run(llm, prompts, constrained, c)
+            type(runner).defers_grammar = deferring
+            assert [o.outputs[0].token_ids for o in waiting_outputs] == [o.outputs[0].token_ids for o in outputs]
+            on, off, wait = sum(lens) / seconds, sum(lens) / free_seconds, sum(lens) / waiting_seconds
+            for kind, rate in zip(kinds, (on, off, wait), strict=True):
+                rates[c, kind].append(rate)
             print(f"repeat {repeat + 1}/{args.repeats} c={c}: {sum(lens)} tokens, constrained {on:.1f} tok/s, "
-                  f"unconstrained {off:.1f} tok/s")  # fmt: skip
+                  f"unconstrained {off:.1f} tok/s, constrained waiting {wait:.1f} tok/s")  # fmt: skip
     cold, cached = compile_ms(llm, [s for s, _, _ in SCHEMAS[: args.num_schemas]], args.repeats)
 
     print(
@@ -168,12 +181,12 @@ def main() -> None:
         f"{args.repeats} repeats; unconstrained: the same prompts, ignore_eos, the constrained token counts"
     )
     print(f"{'concurrency':>11} {'constrained tok/s':>18} {'unconstrained tok/s':>20} {'ratio':>6} "
-          f"{'mask fill p50 ms':>17} {'p99 ms':>7} {'steps':>6}")  # fmt: skip
+          f"{'waiting tok/s':>14} {'ratio':>6} {'mask fill p50 ms':>17} {'p99 ms':>7} {'steps':>6}")  # fmt: skip
     for c in args.concurrency:
-        on, off = statistics.median(rates[c, "constrained"]), statistics.median(rates[c, "unconstrained"])
+        on, off, wait = (statistics.median(rates[c, kind]) for kind in kinds)
         fill = 1000 * np.array(fill_s[c])
-        print(f"{c:>11} {on:18.1f} {off:20.1f} {on / off:5.2f}x {np.percentile(fill, 50):17.3f} "
-              f"{np.percentile(fill, 99):7.3f} {len(fill):6}")  # fmt: skip
+        print(f"{c:>11} {on:18.1f} {off:20.1f} {on / off:5.2f}x {wait:14.1f} {wait / off:5.2f}x "
+              f"{np.percentile(fill, 50):17.3f} {np.percentile(fill, 99):7.3f} {len(fill):6}")  # fmt: skip
     print(f"schema compile, median over {args.num_schemas} schemas x {args.repeats}: cold {cold:.2f} ms, "
           f"cached {cached:.4f} ms")  # fmt: skip
     for c in args.concurrency:

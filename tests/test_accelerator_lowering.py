@@ -19,6 +19,7 @@ from jserve import LLM
 from jserve.attention import KVPages, resolve_attention_backend
 from jserve.engine.penalties import init_penalty_state
 from jserve.engine.sampler import full_bitmask
+from jserve.engine.step import init_sampled
 from jserve.engine.step_packing import StepPacking
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import abstract_model
@@ -58,6 +59,7 @@ def lower_step(
     draft_params, draft_def = jax.tree_util.tree_flatten(draft_abstract)
     drafter = Drafter(draft_graphdef, draft_def, config.vocab_size, runner.drafter.num_tokens)
     penalties = jax.eval_shape(partial(init_penalty_state, runner.config.max_num_seqs, config.vocab_size))
+    sampled = jax.eval_shape(partial(init_sampled, runner.sampled.token_ids.shape[0], config.vocab_size))
     texts = []
     for bucket in (1, runner.config.token_buckets[-1]):
         step = runner.prepare([], bucket)  # the tiny model's batch: its token bitmask is resized to the 8B vocabulary
@@ -67,7 +69,7 @@ def lower_step(
                        verify=replace(step.verify, token_bitmask=verify_bitmask))  # fmt: skip
         packing = StepPacking.of(step)
         args = (graphdef, attention, params_def, drafter, packing, params, draft_params, kv_cache, kv_cache[:2],
-                penalties, runner.sampled, packing.pack(step))  # fmt: skip
+                penalties, sampled, packing.pack(step))  # fmt: skip
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
     return texts

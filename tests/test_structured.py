@@ -8,6 +8,7 @@ before anything is queued.
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -105,6 +106,34 @@ def test_a_mixed_batch_gives_each_request_its_solo_tokens(llm):
     together = token_ids(llm.generate(batch, params, use_tqdm=False))
     alone = [token_ids(llm.generate([p], [q], use_tqdm=False))[0] for p, q in zip(batch, params, strict=True)]
     assert together == alone
+
+
+def test_grammar_rows_drawn_after_launch_give_the_tokens_of_waiting(llm, monkeypatch):
+    """With async scheduling a grammar row whose previous token is still in flight is sampled after launch,
+    once the host has its mask (the other rows keep their overlap): the tokens are those of a step that waits
+    for its predecessor and samples the row itself."""
+    runner = llm.engine.runner
+    runner.start_deferred_sampling()
+    deadline = time.monotonic() + 300
+    while not runner.deferred.ready:  # compiled in the background
+        assert time.monotonic() < deadline, "the deferred sampling calls did not compile"
+        time.sleep(0.05)
+    batch = prompts(5, seed=31)
+    params = [
+        constrained(json=SCHEMAS["product"], disable_any_whitespace=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        constrained(seed=5, temperature=0.8, regex="[a-z ]{5,30}[.]"),
+        constrained(seed=6, temperature=1.0, choice=["one", "two", "three"]),
+        constrained(seed=8, temperature=1.0, json=SCHEMAS["nested objects"], disable_any_whitespace=True),
+    ]
+    drawn, sample_deferred = [], runner.sample_deferred
+    monkeypatch.setattr(runner, "sample_deferred", lambda *args: drawn.append(len(args[1])) or sample_deferred(*args))
+    after_launch = token_ids(llm.generate(batch, params, use_tqdm=False))
+    assert drawn  # grammar rows were drawn after launch
+    monkeypatch.setattr(type(runner), "defers_grammar", property(lambda self: False))
+    drawn.clear()
+    waiting = token_ids(llm.generate(batch, params, use_tqdm=False))
+    assert not drawn and after_launch == waiting
 
 
 def test_chunked_prefill_prefix_hits_and_preemption_keep_the_tokens(tiny_llama_checkpoint, llm):

@@ -150,13 +150,14 @@ def step_workspace_bytes(model: ModelConfig, page_size: int, num_tokens: int, nu
       q/k/v before and after RoPE and the attention output, gate/up and their product (3 x intermediate);
     - attention's work arrays, as the reference's (the Pallas kernels gather less);
     - the sampler's copies of the [num_seqs, vocab] logits;
-    - the penalty state of max_num_seqs rows (bool + int32 per token), allocated after the KV cache."""
+    - per-sequence state allocated after the KV cache: the penalty state of max_num_seqs rows (bool + int32
+      per token) and the step carry's held logits (float32 per token)."""
     qkv_heads = model.num_heads + 2 * model.num_kv_heads
     widths = 4 * model.hidden_size + (2 * qkv_heads + model.num_heads) * model.head_dim + 3 * model.intermediate_size
     attention = reference.workspace_bytes(num_tokens, num_seqs, heads=model.num_heads, kv_heads=model.num_kv_heads,
                                           head_dim=model.head_dim, page_size=page_size)  # fmt: skip
     logits = SAMPLER_LOGITS_COPIES * num_seqs * model.vocab_size
-    return 4 * (num_tokens * widths + logits) + attention + 5 * max_num_seqs * model.vocab_size
+    return 4 * (num_tokens * widths + logits) + attention + 9 * max_num_seqs * model.vocab_size
 
 
 def default_kv_cache_memory(limits: DeviceLimits, step_workspace: int) -> int:

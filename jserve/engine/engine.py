@@ -20,7 +20,7 @@ from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput
 from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
 from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
-from jserve.engine.step import StepOutput
+from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestMetrics, RequestOutput
@@ -31,21 +31,26 @@ from jserve.structured import GrammarCompiler
 log = logging.getLogger("jserve")
 
 
-@dataclass(frozen=True)
+@dataclass
 class LaunchedStep:
-    """A dispatched step: its sequences, which of them sample, and its outputs (device arrays)."""
+    """A dispatched step: its sequences, which of them sample, its host inputs and its outputs (device arrays),
+    and the samples of its deferred grammar rows once they are drawn (see deferred_sampling.py)."""
 
     sequences: list[ScheduledSequence]
     samples: list[bool]
+    inputs: StepInput
     output: StepOutput
+    deferred_rows: np.ndarray
+    deferred_output: SamplerOutput | None = None
 
-    @property
-    def blocks_next(self) -> bool:
-        """The next step cannot be planned without this one's samples: a grammar needs one of them for its
-        next mask, a verification decides how many tokens a request gained, or a draft model proposed."""
+    def blocks_next(self, defers_grammar: bool) -> bool:
+        """The next step cannot be planned without this one's samples: a verification decides how many tokens
+        a request gained, a draft model proposed, or a grammar needs one of them for its next mask (unless
+        that row's sampling can be deferred)."""
         pairs = zip(self.sequences, self.samples, strict=True)
         return any(
-            sampled and (seq.request.grammar is not None or len(seq.drafts) or seq.proposes) for seq, sampled in pairs
+            sampled and (len(seq.drafts) or seq.proposes or (seq.request.grammar is not None and not defers_grammar))
+            for seq, sampled in pairs
         )
 
 
@@ -157,6 +162,8 @@ class LLMEngine:
         self.validator.check(params, priority)
         # Compiled now, or found in the cache where the server compiled it off this thread.
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
+        if grammar is not None:
+            self.runner.start_deferred_sampling()  # compiled in the background, once
         seeds = [
             params.seed + i if params.seed is not None else int(self._rng.integers(2**31)) for i in range(params.n)
         ]
@@ -218,8 +225,8 @@ class LLMEngine:
         host = (self.runner.prepare_s, self.outputs.detokenize_s)
         changed, self._aborted = self._aborted, set()  # requests aborted since the last step
         waited = 0.0
-        if self.in_flight is not None and self.in_flight.blocks_next:
-            # A grammar's next mask or a verification's outcome needs the step in flight: this step waits for
+        if self.in_flight is not None and self.in_flight.blocks_next(self.runner.defers_grammar):
+            # A verification's outcome (or a grammar's next mask) needs the step in flight: this step waits for
             # it (no overlap).
             waited, self.in_flight = self._process(self.in_flight, changed), None
         scheduled_at = time.perf_counter()
@@ -232,6 +239,8 @@ class LLMEngine:
         if not self.config.async_scheduling:
             previous, self.in_flight = self.in_flight, None
         waited += self._process(previous, changed) if previous is not None else 0.0
+        if self.in_flight is not None:
+            self._sample_deferred(self.in_flight)  # its grammars have seen every token before it now
         if self.in_flight is not None and not self.scheduler.num_unfinished:
             waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
             self.in_flight = None
@@ -264,8 +273,9 @@ class LLMEngine:
         sequences, launched = self._dispatch(sequences, changed)
         if launched is None:
             return None
+        output, inputs = launched
         samples = [seq.samples for seq in sequences]
-        self.timeline.launched(time.perf_counter(), launched.samples.token_ids, self._busy)
+        self.timeline.launched(time.perf_counter(), output.samples.token_ids, self._busy)
         if compile_count() != before:
             message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
             if self.config.debug_checks:
@@ -278,11 +288,11 @@ class LLMEngine:
             self.scheduler.kv.advance(request, seq.num_tokens)
             if sampled:
                 self.outputs.launched(request, row)
-        return LaunchedStep(sequences, samples, launched)
+        return LaunchedStep(sequences, samples, inputs, output, np.flatnonzero(inputs.deferred[: len(sequences)]))
 
     def _dispatch(
         self, sequences: list[ScheduledSequence], changed: set[str]
-    ) -> tuple[list[ScheduledSequence], StepOutput | None]:
+    ) -> tuple[list[ScheduledSequence], tuple[StepOutput, StepInput] | None]:
         """The runner's launch, isolating the culprit if it fails: the requests whose own rows cannot be
         prepared fail, and the rest launch again. A failure no single row explains (the device, the
         executable) is not one request's fault, and is raised."""
@@ -306,13 +316,17 @@ class LLMEngine:
 
     def _process(self, step: LaunchedStep, changed: set[str]) -> float:
         """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
+        self._sample_deferred(step)
         start = time.perf_counter()
         speculated = any(len(seq.drafts) for seq in step.sequences)
         proposing = proposing_rows(step.sequences)
         output = step.output
-        samples, verified, proposals = jax.device_get(
-            (output.samples, output.verified if speculated else None, output.proposals if proposing else None)
-        )
+        samples, verified, proposals, deferred = jax.device_get(
+            (output.samples, output.verified if speculated else None, output.proposals if proposing else None,
+             step.deferred_output)
+        )  # fmt: skip
+        # A deferred row's token is the deferred call's sample (the step's own was drawn without its mask).
+        sources = {int(row): (deferred, d) for d, row in enumerate(step.deferred_rows)}
         waited = time.perf_counter() - start
         waited += self._record_prompt_scores(step)
         stats = self.stats
@@ -330,7 +344,7 @@ class LLMEngine:
                 request.first_token_time = now
             finish = None
             try:
-                for source, source_row in tokens if len(seq.drafts) else ((samples, row),):
+                for source, source_row in tokens if len(seq.drafts) else (sources.get(row, (samples, row)),):
                     stats.generated_tokens += 1
                     if finish := self.outputs.append(request, source, source_row):
                         break
@@ -349,6 +363,15 @@ class LLMEngine:
         stats.maybe_log(running, scheduler.num_unfinished - running, kv_used)
         stats.phase_s["process"] += time.perf_counter() - start - waited
         return waited
+
+    def _sample_deferred(self, step: LaunchedStep) -> None:
+        """Draw the step's deferred grammar rows (once), now that their grammars have seen every earlier token;
+        a request that ended meanwhile gets no mask (its sample is surplus)."""
+        if not len(step.deferred_rows) or step.deferred_output is not None:
+            return
+        requests = [step.sequences[row].request for row in step.deferred_rows]
+        grammars = [None if request.is_finished else request.grammar for request in requests]
+        step.deferred_output = self.runner.sample_deferred(step.inputs, step.deferred_rows, grammars)
 
     def _verified_tokens(
         self, seq: ScheduledSequence, verified: SamplerOutput, first: int, samples: SamplerOutput, row: int

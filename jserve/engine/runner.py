@@ -20,9 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
+from jserve.engine.deferred_sampling import DeferredSampler
 from jserve.engine.input_batch import InputBatch
 from jserve.engine.progress import progress
-from jserve.engine.sampler import BIAS_WIDTH, full_bitmask, init_penalty_state
+from jserve.engine.sampler import BIAS_WIDTH, SamplerOutput, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
 from jserve.engine.step import StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
 from jserve.engine.step_packing import PackedStep, StepPacking
@@ -60,7 +61,8 @@ class ModelRunner:
         self.penalty_state = jax.device_put(
             init_penalty_state(config.max_num_seqs, model.config.vocab_size), self.input_sharding
         )
-        self.sampled = jax.device_put(init_sampled(config.seq_bucket(config.token_buckets[-1])), self.input_sharding)
+        max_rows = config.seq_bucket(config.token_buckets[-1])
+        self.sampled = jax.device_put(init_sampled(max_rows, model.config.vocab_size), self.input_sharding)
         self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
         # The step's outputs, penalty state and sampled ids replicated, the caches as allocated.
         replicated = self.input_sharding
@@ -97,6 +99,8 @@ class ModelRunner:
         self.prepare_s = 0.0  # host time building step inputs, for the engine's stats
         self.batch = InputBatch(config.max_num_seqs, config.max_pages_per_seq, config.page_size, stop_ids)
         self.bitmask_filler = BitmaskFiller()
+        seq_buckets = sorted({config.seq_bucket(bucket) for bucket in config.token_buckets})
+        self.deferred = DeferredSampler(seq_buckets, model.config.vocab_size, self.input_sharding, self.bitmask_filler)
         self.mask_fill_s: deque[float] = deque(maxlen=MASK_TIMINGS_KEPT)  # host time per constrained step
         # Across hosts the leader tells followers every step it launches (see jserve.parallel.distributed).
         self.broadcast = StepBroadcast(lambda bucket: self.prepare([], bucket)) if is_multi_process() else None
@@ -174,16 +178,32 @@ class ModelRunner:
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.config.token_buckets if b >= num_tokens)
 
-    def launch(self, sequences: list[ScheduledSequence]) -> StepOutput:
-        """Dispatch one step and return at once: its outputs are device arrays until fetched. Reads the
-        requests' pending rows, so it runs before the engine marks new ones."""
+    def launch(self, sequences: list[ScheduledSequence]) -> tuple[StepOutput, StepInput]:
+        """Dispatch one step and return at once: its outputs are device arrays until fetched (with its host
+        inputs). Reads the requests' pending rows, so it runs before the engine marks new ones."""
         start = time.perf_counter()
         bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
         step = self.prepare(sequences, bucket)
         self.prepare_s += time.perf_counter() - start
         if self.broadcast:
             self.broadcast.send(bucket, step)
-        return self._execute(bucket, step)
+        return self._execute(bucket, step), step
+
+    @property
+    def defers_grammar(self) -> bool:
+        """Grammar rows whose previous token is in flight are sampled after launch (see deferred_sampling.py):
+        once their calls are compiled, and on one host (followers do not mirror the extra call)."""
+        return self.broadcast is None and self.deferred.ready
+
+    def start_deferred_sampling(self) -> None:
+        self.deferred.start(self.sampled, self.penalty_state)
+
+    def sample_deferred(self, step: StepInput, rows: np.ndarray, grammars: list) -> SamplerOutput:
+        """Sample the deferred rows of the latest launched step, now that their grammars are current."""
+        start = time.perf_counter()
+        out, self.sampled = self.deferred.run(self.sampled, self.penalty_state, step.sampling, rows, grammars)
+        self.mask_fill_s.append(time.perf_counter() - start)
+        return out
 
     def _execute(self, bucket: int, step: StepInput) -> StepOutput:
         out, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled = self.executables[bucket](
@@ -248,10 +268,11 @@ class ModelRunner:
                 batch.set_pages(slot, request.pages)
             samples = s.samples
             pending = request.pending_row if request.num_pending and samples else -1  # its own last token
-            numbers.append((slot, s.start, s.num_tokens, len(s.drafts), pending, request.seq_len, samples, s.first))
+            numbers.append((slot, s.start, s.num_tokens, len(s.drafts), pending, request.seq_len, samples, s.first,
+                            s.proposes))  # fmt: skip
             chunks.append(s.token_ids)
-        columns = np.array(numbers, np.int32).reshape(len(sequences), 8).T
-        slots, starts, lens, num_drafts, pending, seq_lens, samples, first = columns
+        columns = np.array(numbers, np.int32).reshape(len(sequences), 9).T
+        slots, starts, lens, num_drafts, pending, seq_lens, samples, first, proposes = columns
         token_ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
         model = batch.model_input(slots, starts, lens, token_ids, bucket, num_seqs)
         ends = np.cumsum(lens) - 1
@@ -263,6 +284,12 @@ class ModelRunner:
         # pending tokens count (they exist on device), and drafts: the step samples after them
         num_output = seq_lens - batch.prompt_len[slots] + num_drafts
         constrained = batch.has_grammar[slots] & (samples == 1)
+        # A grammar row whose previous token is in flight gets its mask after launch (not a proposing one: the
+        # draft model proposes after the row's sample).
+        deferred = constrained & in_flight & (proposes == 0)
+        if deferred.any() and not self.defers_grammar:
+            deferred[:] = False
+        constrained &= ~deferred
         num_verify = cfg.verify_rows(bucket)
         bitmask, verify_bitmask = self._token_bitmasks(sequences, constrained, num_seqs, num_verify)
         return StepInput(
@@ -273,6 +300,7 @@ class ModelRunner:
             prompt_targets=self._prompt_targets(sequences, slots, ends - lens + 1, bucket),
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
             draft=self._draft_input(sequences, cfg.draft_rows(bucket)),
+            deferred=np.pad(deferred, (0, num_seqs - len(deferred))),
         )
 
     def _prompt_targets(self, sequences: list[ScheduledSequence], slots, starts, bucket: int) -> np.ndarray:

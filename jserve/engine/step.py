@@ -5,6 +5,11 @@ Besides the KV cache and the penalty state, the step carries its sampled token i
 device, so a token sampled by step N can be step N+1's input before the host has fetched it (async
 scheduling): the host marks such inputs with the row of step N's samples that holds them.
 
+A row with a grammar whose previous token is still in flight cannot have its token bitmask at launch (the
+grammar has not seen that token). Rather than wait for it, the step keeps the row's logits in the carry, and
+`sample_deferred` samples them once the host has fetched the previous step and filled the mask, before the
+next step reads the row's token: every other row keeps its overlap.
+
 With speculative decoding the step also samples at each draft's position, exactly as a decode step there
 would (same options, same seeded key), so the host accepts a draft when it equals that sample: the output
 is the one decoding without speculation gives, and for a deterministic proposal (q one-hot) accepting with
@@ -72,6 +77,7 @@ class StepInput:
     prompt_targets: jax.Array  # [T] i32: the prompt token that follows this one, to score; -1: none
     verify: VerifyInput
     draft: DraftInput  # D rows per bucket (0 without a draft model)
+    deferred: jax.Array  # [S] bool: the row's grammar mask comes later; its logits stay for sample_deferred
 
 
 @jax.tree_util.register_dataclass
@@ -83,9 +89,18 @@ class StepOutput:
     scores: PromptScores  # by position in the step's tokens
 
 
-def init_sampled(num_rows: int) -> jax.Array:
-    """The carried sampled ids: one row per sequence slot of the largest bucket."""
-    return jnp.zeros(num_rows, jnp.int32)
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Sampled:
+    """What a step leaves on the device for the next: each row's sampled id, and the logits of its deferred rows."""
+
+    token_ids: jax.Array  # [S_max] i32
+    held_logits: jax.Array  # [S_max, V] f32: meaningful in the latest step's deferred rows only
+
+
+def init_sampled(num_rows: int, vocab_size: int) -> Sampled:
+    """The carry: one row per sequence slot of the largest bucket."""
+    return Sampled(jnp.zeros(num_rows, jnp.int32), jnp.zeros((num_rows, vocab_size), jnp.float32))
 
 
 def engine_step(
@@ -99,12 +114,12 @@ def engine_step(
     kv_cache: KVCache,
     draft_kv: KVCache,
     penalty_state: PenaltyState,
-    sampled: jax.Array,
+    sampled: Sampled,
     packed: PackedStep,
-) -> tuple[StepOutput, KVCache, KVCache, PenaltyState, jax.Array]:
+) -> tuple[StepOutput, KVCache, KVCache, PenaltyState, Sampled]:
     step: StepInput = packing.unpack(packed)
     rows = step.pending_rows
-    token_ids = jnp.where(rows >= 0, sampled[jnp.maximum(rows, 0)], step.model.token_ids)
+    token_ids = jnp.where(rows >= 0, sampled.token_ids[jnp.maximum(rows, 0)], step.model.token_ids)
     model_input = replace(step.model, token_ids=token_ids)
     params_tree = jax.tree_util.tree_unflatten(params_def, params)
     logits, hidden, head, kv_cache = forward_states(graphdef, params_tree, kv_cache, model_input, attention)
@@ -123,8 +138,30 @@ def engine_step(
                 draft_params, draft_kv, attention, model_input, step.draft, out.token_ids, verified.token_ids,
                 step.verify.positions, step.sampling, lambda logits, batch: sample(logits, batch, penalty_state),
             )  # fmt: skip
-    sampled = sampled.at[: out.token_ids.shape[0]].set(out.token_ids)
+    num_rows = out.token_ids.shape[0]
+    held = jax.lax.cond(  # (written in place: the carry is donated)
+        jnp.any(step.deferred),
+        lambda held: held.at[:num_rows].set(jnp.asarray(logits, jnp.float32)),
+        lambda held: held,
+        sampled.held_logits,
+    )
+    sampled = Sampled(sampled.token_ids.at[:num_rows].set(out.token_ids), held)
     return StepOutput(out, verified, proposals, scores), kv_cache, draft_kv, penalty_state, sampled
+
+
+def sample_deferred(
+    sampled: Sampled, penalty_state: PenaltyState, sampling: SamplingBatch, rows: jax.Array
+) -> tuple[SamplerOutput, Sampled]:
+    """Samples the held logits of the latest step's rows `rows` ([D] i32, -1 = padding) with `sampling` ([D]
+    rows: their options and, now, their token bitmasks), and writes the tokens where the next step reads them."""
+    out = sample(sampled.held_logits[jnp.maximum(rows, 0)], sampling, penalty_state)
+    at = jnp.where(rows >= 0, rows, sampled.token_ids.shape[0])  # padding rows point past the end: dropped
+    return out, Sampled(sampled.token_ids.at[at].set(out.token_ids, mode="drop"), sampled.held_logits)
+
+
+def jit_sample_deferred(out_shardings=None):
+    """sample_deferred compiled with the carry donated (see jit_engine_step for the shardings)."""
+    return jax.jit(sample_deferred, donate_argnums=(0,), out_shardings=out_shardings)
 
 
 def verify_drafts(
