@@ -60,27 +60,43 @@ def build_model_input(
     Logits come back for each chunk's last token (or every real token with all_logits); padding rows of
     logits_indices point at token 0 and are to be ignored.
     """
-    n = len(chunks)
+    page_tables = np.zeros((len(chunks), max_pages), np.int32)
+    for i, chunk in enumerate(chunks):  # per sequence; everything per token is vectorised
+        page_tables[i, : len(chunk.pages)] = chunk.pages
+    token_ids = np.concatenate([c.token_ids for c in chunks]) if chunks else np.zeros(0, np.int32)
+    starts = np.array([c.start_pos for c in chunks], np.int32)
     lens = np.array([len(c.token_ids) for c in chunks], np.int32)
+    return ragged_model_input(token_ids, starts, lens, page_tables, page_size, num_tokens, num_seqs, all_logits)
+
+
+def ragged_model_input(
+    token_ids: np.ndarray,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    page_tables: np.ndarray,
+    page_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    all_logits: bool = False,
+) -> ModelInput:
+    """The padded batch of n sequences given as arrays: sequence i runs lens[i] of `token_ids` (concatenated)
+    from position starts[i], with its pages in page_tables[i] ([n, max_pages])."""
+    n = len(lens)
     cu = np.zeros(n + 1, np.int32)
     np.cumsum(lens, out=cu[1:])
     total = int(cu[-1])
     if total > num_tokens or n > num_seqs:
         raise ValueError(f"{total} tokens in {n} sequences exceed the bucket ({num_tokens}, {num_seqs})")
-    page_tables = np.zeros((num_seqs, max_pages), np.int32)
-    for i, chunk in enumerate(chunks):  # per sequence; everything per token below is vectorised
-        page_tables[i, : len(chunk.pages)] = chunk.pages
-    starts = np.array([c.start_pos for c in chunks], np.int32)
     seq_of_token = np.repeat(np.arange(n), lens)
     real_pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - cu[seq_of_token]
-
     ids = np.zeros(num_tokens, np.int32)
-    if n:
-        ids[:total] = np.concatenate([c.token_ids for c in chunks])
+    ids[:total] = token_ids
     positions = np.zeros(num_tokens, np.int32)
     positions[:total] = real_pos
     slots = np.full(num_tokens, PAD_SLOT, np.int32)
     slots[:total] = page_tables[seq_of_token, real_pos // page_size] * page_size + real_pos % page_size
+    padded_tables = np.zeros((num_seqs, page_tables.shape[1]), np.int32)
+    padded_tables[:n] = page_tables
     context_lens = np.zeros(num_seqs, np.int32)
     context_lens[:n] = starts + lens
     query_start_loc = np.full(num_seqs + 1, total, np.int32)
@@ -92,6 +108,6 @@ def build_model_input(
         logits_indices[:n] = cu[1:] - 1
     return ModelInput(
         token_ids=ids,
-        attention=AttentionMetadata(positions, slots, page_tables, context_lens, query_start_loc),
+        attention=AttentionMetadata(positions, slots, padded_tables, context_lens, query_start_loc),
         logits_indices=logits_indices,
     )

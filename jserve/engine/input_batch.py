@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jserve.attention import PAD_SLOT, AttentionMetadata, ModelInput
+from jserve.attention import ModelInput
+from jserve.attention.metadata import ragged_model_input
 from jserve.engine.request import Request
 from jserve.engine.sampler import BIAS_WIDTH, SamplingBatch, bias_entries
 from jserve.engine.step import PenaltyUpdate
@@ -75,28 +76,8 @@ class InputBatch:
 
     def model_input(self, slots, starts, lens, token_ids, num_tokens: int, num_seqs: int) -> ModelInput:
         """The step's padded ragged batch: `lens[i]` tokens of the sequence in `slots[i]` from `starts[i]`."""
-        n, page = len(slots), self.page_size
-        cu = np.zeros(n + 1, np.int32)
-        np.cumsum(lens, out=cu[1:])
-        total = int(cu[-1])
-        seq_of_token = np.repeat(np.arange(n), lens)
-        real_pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - cu[seq_of_token]
-        ids = np.zeros(num_tokens, np.int32)
-        ids[:total] = token_ids
-        positions = np.zeros(num_tokens, np.int32)
-        positions[:total] = real_pos
-        slot_mapping = np.full(num_tokens, PAD_SLOT, np.int32)
-        slot_mapping[:total] = self.page_table[slots[seq_of_token], real_pos // page] * page + real_pos % page
-        page_tables = np.zeros((num_seqs, self.page_table.shape[1]), np.int32)
-        page_tables[:n] = self.page_table[slots]
-        context_lens = np.zeros(num_seqs, np.int32)
-        context_lens[:n] = starts + lens
-        query_start_loc = np.full(num_seqs + 1, total, np.int32)
-        query_start_loc[: n + 1] = cu
-        logits_indices = np.zeros(num_seqs, np.int32)
-        logits_indices[:n] = cu[1:] - 1
-        attention = AttentionMetadata(positions, slot_mapping, page_tables, context_lens, query_start_loc)
-        return ModelInput(ids, attention, logits_indices)
+        page_tables = self.page_table[slots]
+        return ragged_model_input(token_ids, starts, lens, page_tables, self.page_size, num_tokens, num_seqs)
 
     def sampling(self, slots, num_output, constrained, num_seqs: int, bitmask, no_bias) -> SamplingBatch:
         """The step's sampling rows: each sequence's options gathered from its slot, padding rows greedy with
