@@ -57,7 +57,7 @@ def lower_step(
     )
     draft_graphdef, draft_abstract = abstract_model(draft_config, dtype, quantization)
     draft_params, draft_def = jax.tree_util.tree_flatten(draft_abstract)
-    drafter = Drafter(draft_graphdef, draft_def, config.vocab_size, runner.drafter.num_tokens)
+    drafter = Drafter(draft_graphdef, draft_def, config.vocab_size, runner.proposer.num_tokens)
     penalties = jax.eval_shape(partial(init_penalty_state, runner.config.max_num_seqs, config.vocab_size))
     sampled = jax.eval_shape(partial(init_sampled, runner.sampled.token_ids.shape[0], config.vocab_size))
     texts = []

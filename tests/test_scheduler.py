@@ -214,7 +214,7 @@ def test_drafts_are_scheduled_within_limits_and_rejected_ones_give_their_pages_b
     scheduler = make_scheduler(budget=64, page_size=4, caching=True)
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=6, prompt_lookup_min=1, prompt_lookup_max=2),
                             scheduler.stats)  # fmt: skip
-    scheduler.speculator = speculator
+    scheduler.speculation = speculator
     # A prompt that repeats, with max_tokens leaving room for 3 tokens after the first.
     request = Request("r", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=4), seed=0, arrival_index=0,
                       max_model_len=256)  # fmt: skip

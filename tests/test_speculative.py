@@ -285,8 +285,8 @@ def test_drafts_are_kept_only_where_they_pay():
     requests = [Request(str(i), [1, 2, 3], SamplingParams(), seed=0, arrival_index=i, max_model_len=64)
                 for i in range(2)]  # fmt: skip
     sequences = [ScheduledSequence(r, 2, 5, drafts=np.array([4, 5, 6, 7], np.int32)) for r in requests]
-    speculator.verified(requests[0], 4, 4)  # the first request's drafts have been accepted, the second's hardly
-    speculator.verified(requests[1], 4, 1)
+    speculator.accepted(requests[0], 4, 4)  # the first request's drafts have been accepted, the second's hardly
+    speculator.accepted(requests[1], 4, 1)
     kept = speculator.worthwhile(sequences)
     assert [len(s.drafts) for s in kept] == [4, 0] and [s.num_tokens for s in kept] == [5, 1]
     speculator.set_step_costs({1: 1.0, 2: 1.0, 5: 1.0, 10: 1.0})  # drafts cost nothing: all of them stay

@@ -112,8 +112,9 @@ class EngineConfig:
             return 0
         return min(token_bucket - 1, spec.disable_by_batch_size * spec.num_speculative_tokens)
 
-    def draft_rows(self, token_bucket: int) -> int:
-        """Sequences of a step of `token_bucket` tokens that a draft model makes proposals for (0: none)."""
+    def proposing_rows(self, token_bucket: int) -> int:
+        """Sequences of a step of `token_bucket` tokens that a device proposer (a draft model) proposes for
+        (0: none)."""
         spec = self.speculative
         if spec is None or not spec.uses_draft_model:
             return 0

@@ -19,13 +19,14 @@ from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput
 from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
+from jserve.engine.speculation import Speculation, StepProposer
 from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
 from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
-from jserve.spec_decode import Speculator
+from jserve.spec_decode import Drafter, Speculator
 from jserve.structured import GrammarCompiler
 
 log = logging.getLogger("jserve")
@@ -82,9 +83,10 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.stats = EngineStats()
-        self.speculator = Speculator(config.speculative, self.stats) if config.speculative else None
-        self.scheduler = Scheduler(config, self.stats, self.speculator)
-        self.runner = ModelRunner(model, config, self.eos_ids, draft)
+        spec = config.speculative
+        self.speculation: Speculation | None = Speculator(spec, self.stats) if spec else None
+        self.scheduler = Scheduler(config, self.stats, self.speculation)
+        self.runner = ModelRunner(model, config, self.eos_ids, self._step_proposer(draft))
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.validator = RequestValidator(config, model.config.vocab_size, self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
@@ -106,34 +108,28 @@ class LLMEngine:
                  "on" if config.enable_prefix_caching else "off", config.schedule_policy,
                  "on" if config.async_scheduling else "off")  # fmt: skip
         self.runner.warm_up(progress_bars)
-        if self.speculator is not None:
+        if self.speculation is not None:
             self._measure_step_costs(progress_bars)
         self.stats.start()
 
+    def _step_proposer(self, draft: LoadedModel | None) -> StepProposer | None:
+        """A draft model, as a proposer the runner runs inside each step."""
+        if draft is None:
+            return None
+        num_tokens = self.config.speculative.num_speculative_tokens
+        drafter, params = Drafter.of(draft, self.model.config.vocab_size, num_tokens)
+        return StepProposer(drafter, params, draft.config)
+
     def _measure_step_costs(self, progress_bars: bool) -> None:
-        """Time steps of the sizes a speculating batch makes (its requests' tokens, with all their drafts or
-        none): the Speculator weighs drafts against them."""
-        spec = self.config.speculative
-        requests = range(1, min(spec.disable_by_batch_size, self.config.max_num_seqs) + 1)
-        drafts = {n: 0 for n in requests} | {n * (spec.num_speculative_tokens + 1): n * spec.num_speculative_tokens
-                                             for n in requests}  # fmt: skip
-        sizes = sorted(n for n in drafts if n <= self.config.max_num_batched_tokens)
-        costs = {}
-        with progress(len(sizes), "Timing speculative steps", "step", progress_bars) as bar:
-            for n in sizes:
-                costs[n] = self.runner.step_seconds(n, drafts[n])
+        """Time the steps the speculation weighs extra tokens against."""
+        steps = self.speculation.steps_to_time(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        with progress(len(steps), "Timing speculative steps", "step", progress_bars) as bar:
+            seconds = []
+            for num_tokens, num_extra, proposes in steps:
+                seconds.append(self.runner.step_seconds(num_tokens, num_extra, proposes=proposes))
                 bar.update()
-        # A draft model's proposals cost every step they are made in; a request that stops speculating saves that.
-        plain = self.runner.step_seconds(1, proposes=False) if spec.uses_draft_model else None
-        self.speculator.set_step_costs(costs, plain)
-        proposer = (f"draft model {spec.model}" if spec.uses_draft_model
-                    else f"n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens")  # fmt: skip
-        log.info("Speculative decoding: %s, %d draft tokens, up to %d running requests; step ms by tokens: %s%s; a "
-                 "request keeps proposing while its verifications accept %.2f drafts on average", proposer,
-                 spec.num_speculative_tokens, spec.disable_by_batch_size,
-                 ", ".join(f"{n}: {1000 * c:.1f}" for n, c in costs.items()),
-                 f" (a decode without proposing: {1000 * plain:.1f})" if plain else "",
-                 self.speculator.break_even)  # fmt: skip
+        self.speculation.calibrate(dict(zip(steps, seconds, strict=True)))
+        log.info("Speculative decoding: %s", self.speculation.summary())
 
     # --- requests in -----------------------------------------------------------------------------
 
@@ -355,7 +351,7 @@ class LLMEngine:
                 self.scheduler.finish(request, *finish)
                 changed.add(request.parent_id)
             elif row in proposing:
-                self.speculator.drafted(request, proposals[proposing[row]])
+                self.speculation.proposed(request, proposals[proposing[row]])
         stats.steps += 1
         scheduler = self.scheduler
         running = len(scheduler.running)
@@ -385,7 +381,7 @@ class LLMEngine:
         if seq.request.is_finished:
             return []
         self.scheduler.kv.reject(seq.request, len(drafts) - accepted)
-        self.speculator.verified(seq.request, len(drafts), accepted)
+        self.speculation.accepted(seq.request, len(drafts), accepted)
         tokens = [(verified, first + j) for j in range(min(accepted + 1, len(drafts)))]
         return tokens if accepted < len(drafts) else [*tokens, (samples, row)]
 

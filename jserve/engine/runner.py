@@ -25,12 +25,12 @@ from jserve.engine.input_batch import InputBatch
 from jserve.engine.progress import progress
 from jserve.engine.sampler import BIAS_WIDTH, SamplerOutput, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
+from jserve.engine.speculation import ProposingRows, StepProposer
 from jserve.engine.step import StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
 from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.parallel.distributed import StepBroadcast, is_leader, is_multi_process
-from jserve.spec_decode.draft_model import Drafter, DraftInput
 from jserve.structured import BitmaskFiller
 
 log = logging.getLogger("jserve")
@@ -41,9 +41,9 @@ MASK_TIMINGS_KEPT = 10_000
 
 class ModelRunner:
     def __init__(
-        self, model: LoadedModel, config: EngineConfig, stop_ids: frozenset[int], draft: LoadedModel | None = None
+        self, model: LoadedModel, config: EngineConfig, stop_ids: frozenset[int], proposer: StepProposer | None = None
     ):
-        """`draft`: the draft model of draft-model speculation, run inside each step (see spec_decode)."""
+        """`proposer`: a speculative proposer that runs inside each step (see engine/speculation.py)."""
         self.model, self.config = model, config
         self.stop_ids = stop_ids
         mesh = model.mesh
@@ -54,9 +54,9 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(
             model.config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
         )
-        # The draft's pages shadow the target's: same ids, its own arrays (nothing when there is no draft).
-        self.draft_kv = () if draft is None else allocate_kv_cache(
-            draft.config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
+        # A device proposer's pages shadow the target's: same ids, its own arrays (nothing without one).
+        self.proposer_kv = () if proposer is None else allocate_kv_cache(
+            proposer.model_config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
         )  # fmt: skip
         self.penalty_state = jax.device_put(
             init_penalty_state(config.max_num_seqs, model.config.vocab_size), self.input_sharding
@@ -75,11 +75,8 @@ class ModelRunner:
             f", tensor-parallel over {mesh.size} devices" if mesh else "",
         )
         self.params, self.params_def = jax.tree_util.tree_flatten(model.params)
-        self.draft_params, self.drafter = [], None
-        if draft is not None:
-            self.draft_params, draft_def = jax.tree_util.tree_flatten(draft.params)
-            spec = config.speculative
-            self.drafter = Drafter(draft.graphdef, draft_def, model.config.vocab_size, spec.num_speculative_tokens)
+        self.proposer = proposer.run if proposer else None
+        self.proposer_params = proposer.params if proposer else []
         self.executables: dict[int, jax.stages.Compiled] = {}
         self.packings: dict[int, StepPacking] = {}  # by bucket: how its step's host arrays travel
         # Steps without a grammar share one all-ones bitmask per batch size: never written, so a step still
@@ -126,8 +123,8 @@ class ModelRunner:
                     self._exchange(bucket, step)
                 packing = self.packings[bucket] = StepPacking.of(step)
                 lowered = self.step_fn.lower(
-                    self.model.graphdef, self.attention, self.params_def, self.drafter, packing, self.params,
-                    self.draft_params, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled,
+                    self.model.graphdef, self.attention, self.params_def, self.proposer, packing, self.params,
+                    self.proposer_params, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled,
                     self._placed(packing.pack(step)),
                 )  # fmt: skip
                 compiling.append((bucket, step, compiler.submit(lowered.compile)))
@@ -153,7 +150,7 @@ class ModelRunner:
 
     def step_seconds(self, num_tokens: int, num_drafts: int = 0, runs: int = 5, proposes: bool = True) -> float:
         """The fastest of `runs` steps of `num_tokens` real tokens, `num_drafts` of them verified (noise only
-        ever adds time), with a draft model's proposals unless not `proposes`: one sequence from position 0,
+        ever adds time), with a device proposer's proposals unless not `proposes`: one sequence from position 0,
         its K/V written to the first pages, so call it before any request holds pages. Padding can cost less
         than real tokens (the int8 kernel skips it), so steps carry real ones."""
         cfg = self.config
@@ -162,12 +159,12 @@ class ModelRunner:
         step = self.prepare([], bucket)
         positions = step.verify.positions.copy()
         positions[:num_drafts] = np.arange(num_drafts)
-        proposing, verified = step.draft.rows.copy(), step.draft.verify_count.copy()
-        proposing[:1], verified[:1] = (0 if proposes else -1), num_drafts  # a draft model proposes after the chunk
+        proposing, verified = step.proposing.rows.copy(), step.proposing.verify_count.copy()
+        proposing[:1], verified[:1] = (0 if proposes else -1), num_drafts  # a proposer proposes after the chunk
         step = replace(step, model=build_model_input([chunk], cfg.page_size, bucket, cfg.seq_bucket(bucket),
                                                      cfg.max_pages_per_seq),
                        verify=replace(step.verify, positions=positions),
-                       draft=replace(step.draft, rows=proposing, verify_count=verified))  # fmt: skip
+                       proposing=replace(step.proposing, rows=proposing, verify_count=verified))  # fmt: skip
         times = []
         for _ in range(runs):
             start = time.perf_counter()
@@ -206,8 +203,8 @@ class ModelRunner:
         return out
 
     def _execute(self, bucket: int, step: StepInput) -> StepOutput:
-        out, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled = self.executables[bucket](
-            self.params, self.draft_params, self.kv_cache, self.draft_kv, self.penalty_state, self.sampled,
+        out, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled = self.executables[bucket](
+            self.params, self.proposer_params, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled,
             self._placed(self.packings[bucket].pack(step)),
         )  # fmt: skip
         return out
@@ -285,7 +282,7 @@ class ModelRunner:
         num_output = seq_lens - batch.prompt_len[slots] + num_drafts
         constrained = batch.has_grammar[slots] & (samples == 1)
         # A grammar row whose previous token is in flight gets its mask after launch (not a proposing one: the
-        # draft model proposes after the row's sample).
+        # proposer proposes after the row's sample).
         deferred = constrained & in_flight & (proposes == 0)
         if deferred.any() and not self.defers_grammar:
             deferred[:] = False
@@ -299,7 +296,7 @@ class ModelRunner:
             pending_rows=pending_rows,
             prompt_targets=self._prompt_targets(sequences, slots, ends - lens + 1, bucket),
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
-            draft=self._draft_input(sequences, cfg.draft_rows(bucket)),
+            proposing=self._proposing_rows(sequences, cfg.proposing_rows(bucket)),
             deferred=np.pad(deferred, (0, num_seqs - len(deferred))),
         )
 
@@ -336,7 +333,7 @@ class ModelRunner:
         return VerifyInput(positions, rows, steps, bitmask, constrained)
 
     @staticmethod
-    def _draft_input(sequences: list[ScheduledSequence], num_rows: int) -> DraftInput:
+    def _proposing_rows(sequences: list[ScheduledSequence], num_rows: int) -> ProposingRows:
         """A row per sequence that proposes for its next step (see proposing_rows), with its verify rows."""
         rows, start, count = (np.full(num_rows, -1, np.int32), np.zeros(num_rows, np.int32),
                               np.zeros(num_rows, np.int32))  # fmt: skip
@@ -344,7 +341,7 @@ class ModelRunner:
         verify_starts = verify_row_starts(sequences)
         for i, r in proposing.items():
             rows[r], start[r], count[r] = i, verify_starts[i], len(sequences[i].drafts)
-        return DraftInput(rows, start, count)
+        return ProposingRows(rows, start, count)
 
     def _token_bitmasks(
         self, sequences: list[ScheduledSequence], constrained: np.ndarray, num_seqs: int, num_verify: int

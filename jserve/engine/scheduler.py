@@ -13,9 +13,9 @@ With prefix caching, an admitted request starts from the longest cached run of w
 prompt pages enter the cache after every chunk; at finish or preemption all computed pages do. Pages run
 short -> the cache evicts unlocked least-recently-used pages first, and only then is a request preempted.
 
-With speculative decoding, a decoding request may add draft tokens (from the Speculator) to its step, budget
-and pages permitting; the step verifies them (see engine.py). With a draft model, a sampling request may also
-ask its step to propose drafts for the next one, holding pages for them.
+With speculation (engine/speculation.py), a decoding request may add extra tokens to its step for the step to
+verify, budget and pages permitting, and a sampling request may ask its step to propose those of its next step,
+holding pages for them.
 
 Contract: the Scheduler owns the waiting and running queues and is the only writer of a request's status,
 admission order, preemption count, cache-hit count and schedule/finish times. It changes slots only through
@@ -39,8 +39,8 @@ from jserve.engine.page_pool import PagePool
 from jserve.engine.radix_cache import PrefixMatch
 from jserve.engine.request import Request, RequestStatus
 from jserve.engine.slots import SequenceSlots
+from jserve.engine.speculation import Speculation
 from jserve.engine.stats import EngineStats
-from jserve.spec_decode import Speculator
 
 log = logging.getLogger("jserve")
 
@@ -55,7 +55,7 @@ class ScheduledSequence:
     first: bool = False  # the request's first chunk since admission: its per-slot state starts afresh
     # Draft tokens to verify, the chunk's last num_tokens counts them too (after the request's latest token).
     drafts: np.ndarray = field(default_factory=lambda: NO_DRAFTS)
-    proposes: bool = False  # the step's draft model proposes drafts for the request's next step
+    proposes: bool = False  # the step proposes the extra tokens of the request's next step
 
     @property
     def samples(self) -> bool:
@@ -95,8 +95,8 @@ LPM_MAX_QUEUE = 128  # beyond this many waiting requests, lpm ordering costs mor
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, stats: EngineStats, speculator: Speculator | None = None):
-        self.config, self.stats, self.speculator = config, stats, speculator
+    def __init__(self, config: EngineConfig, stats: EngineStats, speculation: Speculation | None = None):
+        self.config, self.stats, self.speculation = config, stats, speculation
         self.slots = SequenceSlots(config.max_num_seqs)
         self.kv = KVManager(config)
         self.waiting: list[Request] = []  # sorted by (priority, arrival, completion index)
@@ -128,7 +128,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
-        speculating = self.speculator is not None and self.speculator.active(len(self.running))
+        speculating = self.speculation is not None and self.speculation.active(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -136,7 +136,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(request.seq_len - request.num_computed_tokens, budget)
-            drafts = self._drafts(request, budget - n) if speculating else NO_DRAFTS
+            drafts = self._extra_tokens(request, budget - n) if speculating else NO_DRAFTS
             if len(drafts) and not self.kv.reserve(request, request.num_computed_tokens + n + len(drafts)):
                 drafts = NO_DRAFTS  # pages are short: no speculating
             while not self.kv.reserve(request, request.num_computed_tokens + n):
@@ -153,36 +153,32 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
 
-        if speculating:  # drafts only where they pay for the larger step; the budget they free goes to admissions
-            scheduled = self.speculator.worthwhile(scheduled)
+        if self.speculation is not None:  # drafts only where they pay; the budget they free goes to admissions
+            scheduled = self.speculation.plan(scheduled)
             budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         # Admit only when nothing had to be preempted: pages are short.
         if not preempted:
             self._admit_waiting(scheduled, budget)
-        if self.speculator is not None:
-            self.speculator.next_step()
         return SchedulerOutput(self._fit_to_bucket(scheduled), preempted)
 
-    def _drafts(self, request: Request, room: int) -> np.ndarray:
-        """Drafts for a decoding request, as many as fit the step's budget and the request's max_tokens and
-        max_model_len (the step yields up to one token more than its drafts)."""
-        decoding = request.num_computed_tokens == request.seq_len - 1
-        if not decoding or not self.speculator.wants(request):
-            return NO_DRAFTS
+    def _extra_tokens(self, request: Request, room: int) -> np.ndarray:
+        """Extra tokens for a decoding request's step to verify, as many as fit the step's budget and the
+        request's max_tokens and max_model_len (the step yields up to one token more than it verifies)."""
+        if request.num_computed_tokens != request.seq_len - 1:
+            return NO_DRAFTS  # not decoding
         limit = min(room, self.config.max_model_len - 1 - request.seq_len)
         if request.params.max_tokens is not None:
             limit = min(limit, request.params.max_tokens - request.num_output_tokens - 1)
-        return self.speculator.propose(request, limit)
+        return self.speculation.extra_tokens(request, limit)
 
     def _proposes(self, request: Request, num_tokens: int, num_drafts: int) -> bool:
-        """Whether this step's draft model proposes for a request that computes `num_tokens` of its tokens and
-        `num_drafts` drafts: it samples, would speculate, and pages hold the proposals' positions."""
-        if not self.speculator.proposes_on_device or not self.speculator.wants(request):
-            return False
+        """Whether the step proposes the next step's extra tokens for a request that computes `num_tokens` of
+        its tokens and `num_drafts` drafts: it samples, and pages hold the proposals' positions."""
+        ahead = self.speculation.lookahead(request)
         end = request.num_computed_tokens + num_tokens
-        if end < request.seq_len:
-            return False  # a prefill chunk before the last: it does not sample
-        reach = end + num_drafts + self.config.speculative.num_speculative_tokens
+        if not ahead or end < request.seq_len:  # (a prefill chunk before the last does not sample)
+            return False
+        reach = end + num_drafts + ahead
         return reach <= self.config.max_model_len and self.kv.reserve(request, reach)
 
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
@@ -201,7 +197,7 @@ class Scheduler:
             self.waiting.remove(request)
             self._admit(request, cached=match is not None)
             # (running now counts it: no more than disable_by_batch_size requests ever propose in one step)
-            speculating = self.speculator is not None and self.speculator.active(len(self.running))
+            speculating = self.speculation is not None and self.speculation.active(len(self.running))
             proposes = speculating and self._proposes(request, n, 0)
             scheduled.append(ScheduledSequence(request, start, n, first=True, proposes=proposes))
             prefilling.append(request)
@@ -254,8 +250,8 @@ class Scheduler:
         """End a request wherever it is; its pages and slot return to the pools."""
         if request.is_finished:
             return
-        if self.speculator is not None:
-            self.speculator.forget(request)
+        if self.speculation is not None:
+            self.speculation.forget(request)
         if request.status is RequestStatus.RUNNING:
             self._release(request)
         request.status = RequestStatus.FINISHED

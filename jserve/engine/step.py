@@ -13,9 +13,9 @@ next step reads the row's token: every other row keeps its overlap.
 With speculative decoding the step also samples at each draft's position, exactly as a decode step there
 would (same options, same seeded key), so the host accepts a draft when it equals that sample: the output
 is the one decoding without speculation gives, and for a deterministic proposal (q one-hot) accepting with
-probability p(draft) and otherwise drawing from p without the draft is rejection sampling's rule. With a
-draft model (spec_decode/draft_model.py) the step also runs the draft over its tokens and makes the next
-step's proposals.
+probability p(draft) and otherwise drawing from p without the draft is rejection sampling's rule. A proposer
+that runs on the device (engine/speculation.py: a draft model) sees the step's tokens and makes the next step's
+proposals inside it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from jserve.engine.sampler import (
     sample,
     update_penalty_state,
 )
+from jserve.engine.speculation import DeviceProposer, ProposingRows
 from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.models.forward import forward_states
-from jserve.spec_decode.draft_model import Drafter, DraftInput
 
 
 @jax.tree_util.register_dataclass
@@ -76,7 +76,7 @@ class StepInput:
     pending_rows: jax.Array  # [T] i32: -1, or the row of the previous step's samples that is this token
     prompt_targets: jax.Array  # [T] i32: the prompt token that follows this one, to score; -1: none
     verify: VerifyInput
-    draft: DraftInput  # D rows per bucket (0 without a draft model)
+    proposing: ProposingRows  # D rows per bucket (0 without a device proposer)
     deferred: jax.Array  # [S] bool: the row's grammar mask comes later; its logits stay for sample_deferred
 
 
@@ -85,7 +85,7 @@ class StepInput:
 class StepOutput:
     samples: SamplerOutput  # row i for the step's sequence i
     verified: SamplerOutput  # the samples at draft positions, each speculating sequence's rows in turn
-    proposals: jax.Array  # [D, k] i32: the draft model's proposals for the next step ([0, 0] without one)
+    proposals: jax.Array  # [D, k] i32: the device proposer's proposals for the next step ([0, 0] without one)
     scores: PromptScores  # by position in the step's tokens
 
 
@@ -107,12 +107,12 @@ def engine_step(
     graphdef: nnx.GraphDef,
     attention: AttentionBackend,
     params_def: jax.tree_util.PyTreeDef,
-    drafter: Drafter | None,
+    proposer: DeviceProposer | None,
     packing: StepPacking,
     params: list[jax.Array],
-    draft_params: list[jax.Array],
+    proposer_params: list[jax.Array],
     kv_cache: KVCache,
-    draft_kv: KVCache,
+    proposer_kv: KVCache,
     penalty_state: PenaltyState,
     sampled: Sampled,
     packed: PackedStep,
@@ -131,12 +131,13 @@ def engine_step(
     out = sample(logits, step.sampling, penalty_state)
     verified = verify_drafts(head, hidden, step.verify, step.sampling, penalty_state)
     proposals = jnp.zeros((0, 0), jnp.int32)
-    if drafter is not None:
-        draft_kv = drafter.extend(draft_params, draft_kv, model_input, attention)
-        if step.draft.rows.shape[0]:
-            proposals, draft_kv = drafter.propose(
-                draft_params, draft_kv, attention, model_input, step.draft, out.token_ids, verified.token_ids,
-                step.verify.positions, step.sampling, lambda logits, batch: sample(logits, batch, penalty_state),
+    if proposer is not None:
+        proposer_kv = proposer.extend(proposer_params, proposer_kv, model_input, attention)
+        if step.proposing.rows.shape[0]:
+            proposals, proposer_kv = proposer.propose(
+                proposer_params, proposer_kv, attention, model_input, step.proposing, out.token_ids,
+                verified.token_ids, step.verify.positions, step.sampling,
+                lambda logits, batch: sample(logits, batch, penalty_state),
             )  # fmt: skip
     num_rows = out.token_ids.shape[0]
     held = jax.lax.cond(  # (written in place: the carry is donated)
@@ -146,7 +147,7 @@ def engine_step(
         sampled.held_logits,
     )
     sampled = Sampled(sampled.token_ids.at[:num_rows].set(out.token_ids), held)
-    return StepOutput(out, verified, proposals, scores), kv_cache, draft_kv, penalty_state, sampled
+    return StepOutput(out, verified, proposals, scores), kv_cache, proposer_kv, penalty_state, sampled
 
 
 def sample_deferred(

@@ -4,7 +4,7 @@ The draft model keeps a paged KV cache of its own that shadows the target's: the
 tables, its own K/V arrays. Every step first runs the draft over the step's tokens (`extend`), so wherever the
 target has K/V the draft has too, prefix-cache hits and preemption included, with no bookkeeping of its own.
 
-Then each proposing sequence (`DraftInput`) continues from where this step leaves it: the token the step
+Then each proposing sequence (the engine's ProposingRows) continues from where this step leaves it: the token the step
 sampled after its last accepted draft (worked out on device from the verify samples), at the position after
 them. `num_tokens` draft decode steps follow, each sampling with the request's own options and the seeded key
 of that output position, the key the target samples it with. So the draft picks the target's token whenever
@@ -49,17 +49,6 @@ def check_draft_model(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class DraftInput:
-    """Row r proposes after the step's sequence rows[r] (-1: unused; the used rows come first), whose drafts
-    this step, if any, are verify rows [verify_start[r], verify_start[r] + verify_count[r])."""
-
-    rows: jax.Array  # [D] i32
-    verify_start: jax.Array  # [D] i32
-    verify_count: jax.Array  # [D] i32
-
-
 @dataclass(frozen=True)
 class Drafter:
     """The draft model's structure (static: a jit argument): its graph, its parameters' tree, the target's
@@ -70,6 +59,12 @@ class Drafter:
     params_def: jax.tree_util.PyTreeDef
     vocab_size: int
     num_tokens: int
+
+    @staticmethod
+    def of(draft: LoadedModel, vocab_size: int, num_tokens: int) -> tuple[Drafter, list[jax.Array]]:
+        """The Drafter of a loaded draft model, and its parameters as the flat list the step takes."""
+        params, params_def = jax.tree_util.tree_flatten(draft.params)
+        return Drafter(draft.graphdef, params_def, vocab_size, num_tokens), params
 
     def _model(self, params: list[jax.Array]) -> nnx.Module:
         return nnx.merge(self.graphdef, jax.tree_util.tree_unflatten(self.params_def, params))
@@ -84,23 +79,24 @@ class Drafter:
         kv: KVCache,
         attention: AttentionBackend,
         batch: ModelInput,
-        drafts: DraftInput,
+        proposing,
         next_tokens: jax.Array,
         verify_tokens: jax.Array,
         verify_positions: jax.Array,
         sampling,
         sample,
     ) -> tuple[jax.Array, KVCache]:
-        """-> ([D, num_tokens] proposals, the draft KV). `next_tokens`: the step's samples by sequence; the
-        verify samples and their positions; `sampling` the step's SamplingBatch and `sample` its sampler
+        """-> ([D, num_tokens] proposals, the draft KV). `proposing`: the engine's ProposingRows (which rows
+        propose, and where their verify rows are); `next_tokens`: the step's samples by sequence; the verify
+        samples and their positions; `sampling` the step's SamplingBatch and `sample` its sampler
         (bound to the step's penalty state; proposing requests have no penalties)."""
-        used = drafts.rows >= 0
-        count = drafts.rows.shape[0]
+        used = proposing.rows >= 0
+        count = proposing.rows.shape[0]
 
         def run() -> tuple[jax.Array, KVCache]:
-            rows = jnp.maximum(drafts.rows, 0)
+            rows = jnp.maximum(proposing.rows, 0)
             options = jax.tree.map(lambda column: column[rows], sampling)
-            start, token, steps = _restart(batch, drafts, rows, options.steps, self.num_tokens, next_tokens,
+            start, token, steps = _restart(batch, proposing, rows, options.steps, self.num_tokens, next_tokens,
                                            verify_tokens, verify_positions)  # fmt: skip
             options = replace(options, wants_top_logprobs=jnp.zeros_like(used),
                               constrained=jnp.zeros_like(used))  # fmt: skip
@@ -140,23 +136,23 @@ class Drafter:
         return jnp.pad(logits, ((0, 0), (0, extra)), constant_values=-jnp.inf)
 
 
-def _restart(batch, drafts, rows, sample_steps, width, next_tokens, verify_tokens, verify_positions):
+def _restart(batch, proposing, rows, sample_steps, width, next_tokens, verify_tokens, verify_positions):
     """Where each proposing sequence stands after the step: its first new position, the token there (the sample
     after its accepted drafts) and the output index of the token after that one (its sampling key)."""
-    runs = drafts.verify_start[:, None] + jnp.arange(width)  # [D, width]: the sequence's verify rows
-    in_run = jnp.arange(width) < drafts.verify_count[:, None]
+    runs = proposing.verify_start[:, None] + jnp.arange(width)  # [D, width]: the sequence's verify rows
+    in_run = jnp.arange(width) < proposing.verify_count[:, None]
     if verify_tokens.shape[0]:
         at = jnp.minimum(runs, verify_tokens.shape[0] - 1)
         draft_ids = batch.token_ids[verify_positions[at] + 1]  # the draft each verify row checks
         matched = in_run & (verify_tokens[at] == draft_ids)
         accepted = jnp.sum(jnp.cumprod(matched, axis=1), axis=1)
-        after = verify_tokens[jnp.minimum(drafts.verify_start + accepted, verify_tokens.shape[0] - 1)]
+        after = verify_tokens[jnp.minimum(proposing.verify_start + accepted, verify_tokens.shape[0] - 1)]
     else:
         accepted, after = jnp.zeros_like(rows), next_tokens[rows]
-    token = jnp.where(accepted == drafts.verify_count, next_tokens[rows], after)
+    token = jnp.where(accepted == proposing.verify_count, next_tokens[rows], after)
     last = batch.attention.query_start_loc[rows + 1] - 1  # the sequence's last token in the step
     last_position = batch.attention.positions[last]
-    start = last_position + 1 - (drafts.verify_count - accepted)
+    start = last_position + 1 - (proposing.verify_count - accepted)
     # The step sampled the sequence's row (position last_position + 1) at output index sample_steps; each
     # position further on is one index more, and the first proposal is for position start + 1.
     return start, token, sample_steps + start - last_position

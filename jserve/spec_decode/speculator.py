@@ -1,7 +1,7 @@
 """Speculator: which requests propose drafts each step, what they propose, and how they back off.
 
 Proposals come from an n-gram lookup on the host, or from a draft model inside the step before (which hands
-them over through `drafted`; see draft_model.py).
+them over through `proposed`; see draft_model.py).
 
 A step that verifies drafts costs more than a plain decode (on CPU a 5-token step ~1.6-2.4x a 1-token
 one), so proposing pays only while enough drafts are accepted. Each request keeps a running mean of the
@@ -78,12 +78,41 @@ class Speculator:
         self._records: dict[str, _Record] = {}
         self._sizes = np.zeros(0)  # step sizes (tokens) timed, ascending, and their seconds (set_step_costs)
         self._seconds = np.zeros(0)
+        self._plain: float | None = None
+
+    def steps_to_time(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int, bool]]:
+        """The steps whose times `calibrate` takes, as (tokens, drafts verified, proposes): 1 to
+        disable_by_batch_size requests, with all their drafts or none; with a draft model also a decode that
+        proposes nothing (its proposals cost every step they are made in: a request that stops speculating
+        saves that)."""
+        k = self.config.num_speculative_tokens
+        requests = range(1, min(self.config.disable_by_batch_size, max_num_seqs) + 1)
+        drafts = {n: 0 for n in requests} | {n * (k + 1): n * k for n in requests}
+        steps = [(n, drafts[n], True) for n in sorted(drafts) if n <= max_num_batched_tokens]
+        return steps + [(1, 0, False)] if self.config.uses_draft_model else steps
+
+    def calibrate(self, seconds: dict[tuple[int, int, bool], float]) -> None:
+        """The measured times of the steps `steps_to_time` asked for."""
+        costs = {num_tokens: s for (num_tokens, _, proposes), s in seconds.items() if proposes}
+        self.set_step_costs(costs, seconds.get((1, 0, False)))
+
+    def summary(self) -> str:
+        """The method and what calibration found, for the engine's log."""
+        spec = self.config
+        proposer = (f"draft model {spec.model}" if spec.uses_draft_model
+                    else f"n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens")  # fmt: skip
+        steps = ", ".join(f"{int(n)}: {1000 * c:.1f}" for n, c in zip(self._sizes, self._seconds, strict=True))
+        plain = f" (a decode without proposing: {1000 * self._plain:.1f})" if self._plain else ""
+        return (f"{proposer}, {spec.num_speculative_tokens} draft tokens, up to {spec.disable_by_batch_size} running "
+                f"requests; step ms by tokens: {steps}{plain}; a request keeps proposing while its verifications "
+                f"accept {self.break_even:.2f} drafts on average")  # fmt: skip
 
     def set_step_costs(self, seconds: dict[int, float], plain_decode: float | None = None) -> None:
         """The measured time of steps of some token counts (1 to disable_by_batch_size requests, with all their
         drafts or none): what `worthwhile` weighs drafts against, interpolated between them; the break-even
         is a lone request's verify step against its decode step without speculation (`plain_decode`, when
         proposing costs the step something: a draft model's proposals; else the 1-token step)."""
+        self._plain = plain_decode
         self._sizes = np.array(sorted(seconds), float)
         self._seconds = np.array([seconds[n] for n in sorted(seconds)])
         verify = self._cost(self.config.num_speculative_tokens + 1)
@@ -120,15 +149,33 @@ class Speculator:
 
     @property
     def proposes_on_device(self) -> bool:
-        """Proposals come from a draft model inside the step before (see `drafted`), not from a host lookup."""
+        """Proposals come from a draft model inside the step before (see `proposed`), not from a host lookup."""
         return self.config.uses_draft_model
 
-    def next_step(self) -> None:
-        self.step += 1
+    # --- the engine's port (engine/speculation.py) ---------------------------------------------------
 
     def active(self, num_running: int) -> bool:
         """Whether a batch of this many running requests speculates at all."""
         return num_running <= self.config.disable_by_batch_size
+
+    def extra_tokens(self, request: Request, limit: int) -> np.ndarray:
+        """Drafts for a decoding request's step, up to `limit` (empty while it backs off or cannot speculate)."""
+        return self.propose(request, limit) if self.wants(request) else np.zeros(0, np.int32)
+
+    def lookahead(self, request: Request) -> int:
+        """With a draft model, the positions its proposals for the request's next step take (0 with n-grams,
+        which propose on the host, or while the request backs off)."""
+        return self.config.num_speculative_tokens if self.proposes_on_device and self.wants(request) else 0
+
+    def plan(self, sequences: list[ScheduledSequence]) -> list[ScheduledSequence]:
+        """The step's sequences with only the drafts that pay (see worthwhile); the step's clock ticks."""
+        self.step += 1
+        return self.worthwhile(sequences)
+
+    def forget(self, request: Request) -> None:
+        self._records.pop(request.request_id, None)
+
+    # --- proposing and backing off ----------------------------------------------------------------------
 
     def wants(self, request: Request) -> bool:
         """Whether the request would propose this step: its options allow it and it is not backing off."""
@@ -173,12 +220,12 @@ class Speculator:
         tokens = request.token_buffer[: request.num_tokens]
         return propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max, count)
 
-    def drafted(self, request: Request, proposal: np.ndarray) -> None:
+    def proposed(self, request: Request, proposal: np.ndarray) -> None:
         """A draft model's proposal to follow the request's tokens as they are now."""
         record = self._record(request)
         record.proposal, record.proposal_at = proposal, request.num_tokens
 
-    def verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+    def accepted(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The target model accepted the first `num_accepted` of the request's `num_drafts` drafts."""
         stats = self.stats
         stats.spec_drafts += 1
@@ -197,9 +244,6 @@ class Speculator:
             record.mean_accepted = None  # it starts afresh when it proposes again
         else:
             record.backoff = 1
-
-    def forget(self, request: Request) -> None:
-        self._records.pop(request.request_id, None)
 
     def _record(self, request: Request) -> _Record:
         return self._records.setdefault(request.request_id, _Record())
