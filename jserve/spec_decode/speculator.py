@@ -42,7 +42,7 @@ class Request(Protocol):
     num_output_tokens: int
 
 
-class ScheduledSequence(Protocol):  # a frozen dataclass: dataclasses.replace makes the changed copy
+class ScheduledSequence(Protocol):  # a dataclass: dataclasses.replace makes the changed copy
     request: Request
     num_tokens: int  # the request's own tokens this step, then its drafts
     drafts: np.ndarray
