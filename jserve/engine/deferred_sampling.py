@@ -17,16 +17,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import numpy as np
 
-from jserve.engine.sampler import BIAS_WIDTH, SamplerOutput, SamplingBatch, full_bitmask
+from jserve.engine.sampler import BIAS_WIDTH, PADDING, SamplerOutput, SamplingBatch, full_bitmask
 from jserve.engine.step import Sampled, jit_sample_deferred
 from jserve.structured import BitmaskFiller, GrammarMatcher
 
 log = logging.getLogger("jserve")
-
-# What a padding row holds: greedy, every option off (as InputBatch pads a step's rows).
-PAD = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-       "frequency_penalty": 0.0, "seeds": 0, "steps": 0, "slots": 0, "bias_ids": -1, "bias_values": 0.0,
-       "wants_top_logprobs": False, "constrained": False}  # fmt: skip
 
 
 class DeferredSampler:
@@ -102,4 +97,4 @@ class DeferredSampler:
         dtypes = {"top_k": np.int32, "seeds": np.uint32, "steps": np.int32, "slots": np.int32, "bias_ids": np.int32,
                   "wants_top_logprobs": bool, "constrained": bool}  # fmt: skip
         shape = (size, BIAS_WIDTH) if name.startswith("bias_") else (size,)
-        return np.full(shape, PAD[name], dtypes.get(name, np.float32))
+        return np.full(shape, PADDING[name], dtypes.get(name, np.float32))

@@ -15,7 +15,7 @@ import numpy as np
 from jserve.attention import ModelInput
 from jserve.attention.metadata import ragged_model_input
 from jserve.engine.request import Request
-from jserve.engine.sampler import BIAS_WIDTH, SamplingBatch, bias_entries
+from jserve.engine.sampler import BIAS_WIDTH, PADDING, SamplingBatch, bias_entries
 from jserve.engine.step import PenaltyUpdate
 
 NO_PAGES = np.zeros(0, np.int32)
@@ -85,16 +85,16 @@ class InputBatch:
         to pass when no row has a bias (kept on the device by the runner)."""
         n = len(slots)
 
-        def column(table: np.ndarray, pad) -> np.ndarray:
-            out = np.full(num_seqs, pad, table.dtype)
+        def column(table: np.ndarray, name: str) -> np.ndarray:
+            out = np.full(num_seqs, PADDING[name], table.dtype)
             out[:n] = table[slots]
             return out
 
         early = num_output < self.min_tokens[slots]
         if self.has_bias[slots].any():
             bias_ids, bias_values = (
-                np.full((num_seqs, BIAS_WIDTH), -1, np.int32),
-                np.zeros((num_seqs, BIAS_WIDTH), np.float32),
+                np.full((num_seqs, BIAS_WIDTH), PADDING["bias_ids"], np.int32),
+                np.full((num_seqs, BIAS_WIDTH), PADDING["bias_values"], np.float32),
             )
             bias_ids[:n] = np.where(early[:, None], self.early_bias_ids[slots], self.bias_ids[slots])
             bias_values[:n] = np.where(early[:, None], self.early_bias_values[slots], self.bias_values[slots])
@@ -107,19 +107,19 @@ class InputBatch:
         rows_constrained = np.zeros(num_seqs, bool)
         rows_constrained[:n] = constrained
         return SamplingBatch(
-            temperature=column(self.temperature, 0.0),
-            top_k=column(self.top_k, 0),
-            top_p=column(self.top_p, 1.0),
-            min_p=column(self.min_p, 0.0),
-            repetition_penalty=column(self.repetition_penalty, 1.0),
-            presence_penalty=column(self.presence_penalty, 0.0),
-            frequency_penalty=column(self.frequency_penalty, 0.0),
-            seeds=column(self.seed, 0),
+            temperature=column(self.temperature, "temperature"),
+            top_k=column(self.top_k, "top_k"),
+            top_p=column(self.top_p, "top_p"),
+            min_p=column(self.min_p, "min_p"),
+            repetition_penalty=column(self.repetition_penalty, "repetition_penalty"),
+            presence_penalty=column(self.presence_penalty, "presence_penalty"),
+            frequency_penalty=column(self.frequency_penalty, "frequency_penalty"),
+            seeds=column(self.seed, "seeds"),
             steps=steps,
             slots=padded_slots,
             bias_ids=bias_ids,
             bias_values=bias_values,
-            wants_top_logprobs=column(self.wants_logprobs, False),
+            wants_top_logprobs=column(self.wants_logprobs, "wants_top_logprobs"),
             token_bitmask=bitmask,
             constrained=rows_constrained,
         )

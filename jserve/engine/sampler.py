@@ -78,6 +78,12 @@ class SamplingBatch:
     constrained: jax.Array  # [S] bool: the row has a grammar (its bitmask is not all ones)
 
 
+# What a padding row of a SamplingBatch holds: greedy, every option off, no bias (its bitmask is all ones).
+PADDING = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0, "seeds": 0, "steps": 0, "slots": 0, "bias_ids": -1,
+           "bias_values": 0.0, "wants_top_logprobs": False, "constrained": False}  # fmt: skip
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplerOutput:
