@@ -14,6 +14,7 @@ from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.parent_request import ParentRequest
 from jserve.engine.progress import progress
 from jserve.engine.request import Request
 from jserve.engine.runner import ModelRunner
@@ -24,7 +25,7 @@ from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
 from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
 from jserve.loader import LoadedModel
-from jserve.outputs import RequestMetrics, RequestOutput
+from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.spec_decode import Drafter, Speculator
 from jserve.structured import GrammarCompiler
@@ -53,21 +54,6 @@ class LaunchedStep:
             sampled and (len(seq.drafts) or seq.proposes or (seq.request.grammar is not None and not defers_grammar))
             for seq, sampled in pairs
         )
-
-
-@dataclass
-class ParentRequest:
-    """What the user asked for: n completions of one prompt, each a Request of its own."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-
-    @property
-    def finished(self) -> bool:
-        children = self.children
-        return children[0].is_finished if len(children) == 1 else all(child.is_finished for child in children)
 
 
 class LLMEngine:
@@ -241,7 +227,7 @@ class LLMEngine:
             waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
             self.in_flight = None
         outputs_at = time.perf_counter()
-        results = [self._output(self.parents[pid]) for pid in changed]
+        results = [self.parents[pid].output(self.outputs) for pid in changed]
         for out in results:
             if out.finished:
                 for child in self.parents.pop(out.request_id).children:
@@ -420,36 +406,3 @@ class LLMEngine:
         """The stats, once the device timeline has accounted for every launched step."""
         self.timeline.drain()
         return self.stats
-
-    def _output(self, parent: ParentRequest) -> RequestOutput:
-        """The parent's output for this step. Its completions carry what changed since their last output, and
-        each change is handed out once: every output the engine returns must reach its consumer."""
-        children = parent.children
-        finished = parent.finished
-        if len(children) == 1:  # the common case, without the folds over siblings
-            child = children[0]
-            metrics = RequestMetrics(child.arrival_time, child.first_scheduled_time, child.first_token_time,
-                                     child.finish_time if finished else None, child.num_preemptions)  # fmt: skip
-            num_cached = child.num_cached_tokens
-        else:
-            scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
-            first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
-            finishes = [c.finish_time for c in children if c.finish_time is not None]
-            metrics = RequestMetrics(
-                arrival_time=min(c.arrival_time for c in children),
-                first_scheduled_time=min(scheduled, default=None),
-                first_token_time=min(first_tokens, default=None),
-                finish_time=max(finishes, default=None) if finished else None,
-                num_preemptions=sum(c.num_preemptions for c in children),
-            )
-            num_cached = max(c.num_cached_tokens for c in children)
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            prompt_logprobs=self.outputs.prompt_logprobs(children[0]),
-            outputs=[self.outputs.completion(child) for child in children],
-            finished=finished,
-            num_cached_tokens=num_cached,
-            metrics=metrics,
-        )

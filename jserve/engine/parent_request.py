@@ -1,0 +1,56 @@
+"""What the user asked for: n completions of one prompt, each a Request of its own, and the RequestOutput
+that reports them after a step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.request import Request
+from jserve.outputs import RequestMetrics, RequestOutput
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        children = self.children
+        return children[0].is_finished if len(children) == 1 else all(child.is_finished for child in children)
+
+    def output(self, processor: OutputProcessor) -> RequestOutput:
+        """The parent's output for this step. Its completions carry what changed since their last output, and
+        each change is handed out once: every output the engine returns must reach its consumer."""
+        children = self.children
+        finished = self.finished
+        if len(children) == 1:  # the common case, without the folds over siblings
+            child = children[0]
+            metrics = RequestMetrics(child.arrival_time, child.first_scheduled_time, child.first_token_time,
+                                     child.finish_time if finished else None, child.num_preemptions)  # fmt: skip
+            num_cached = child.num_cached_tokens
+        else:
+            scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
+            first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
+            finishes = [c.finish_time for c in children if c.finish_time is not None]
+            metrics = RequestMetrics(
+                arrival_time=min(c.arrival_time for c in children),
+                first_scheduled_time=min(scheduled, default=None),
+                first_token_time=min(first_tokens, default=None),
+                finish_time=max(finishes, default=None) if finished else None,
+                num_preemptions=sum(c.num_preemptions for c in children),
+            )
+            num_cached = max(c.num_cached_tokens for c in children)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=processor.prompt_logprobs(children[0]),
+            outputs=[processor.completion(child) for child in children],
+            finished=finished,
+            num_cached_tokens=num_cached,
+            metrics=metrics,
+        )
