@@ -318,3 +318,11 @@ def test_our_gguf_reader_reads_what_the_librarys_reads(smollm2_gguf_path):
     for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
         assert (mine.tensor_type, list(mine.shape)) == (reference.tensor_type, list(reference.shape))
         np.testing.assert_array_equal(mine.data, reference.data)
+
+
+@pytest.mark.parametrize("bars", [True, False])
+def test_a_progress_bar_shows_only_where_asked(llama_folder, capsys, bars):
+    """A notebook or the CLI sees the tensors load; a server (create_engine without bars) logs only the result."""
+    folder, _ = llama_folder
+    load_model(str(folder), progress_bars=bars)
+    assert ("tensor/s" in capsys.readouterr().err) is bars

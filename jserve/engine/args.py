@@ -136,8 +136,9 @@ class EngineArgs:
             gguf_file=self.gguf_file,
             max_model_len=self.max_model_len,
             expert_parallel=self.enable_expert_parallel,
+            progress_bars=progress_bars,
         )
-        draft = self._load_draft_model(loaded, mesh)
+        draft = self._load_draft_model(loaded, mesh, progress_bars)
         config = resolve_engine_config(self, loaded.config, loaded.dtype, draft=draft.config if draft else None)
         # Hosts may differ in free memory; they must not differ in KV shapes.
         config = replace(config, num_pages=agree_on_min(config.num_pages))
@@ -145,7 +146,7 @@ class EngineArgs:
         log.info("Engine ready in %.1fs", time.perf_counter() - start)
         return engine
 
-    def _load_draft_model(self, target: LoadedModel, mesh) -> LoadedModel | None:
+    def _load_draft_model(self, target: LoadedModel, mesh, progress_bars: bool) -> LoadedModel | None:
         """The draft model of draft-model speculation, loaded like the target (dtype, devices; quantization as
         the config says, else the target's), and checked to share its tokenizer."""
         spec = SpeculativeConfig.parse(self.speculative_config)
@@ -153,7 +154,7 @@ class EngineArgs:
             return None
         draft = load_model(spec.model, dtype=self.dtype, mesh=mesh, quantization=spec.quantization or self.quantization,
                            cpu_int8_kernel=self.cpu_int8_kernel, download_dir=self.download_dir,
-                           max_model_len=self.max_model_len)  # fmt: skip
+                           max_model_len=self.max_model_len, progress_bars=progress_bars)  # fmt: skip
         check_draft_model(target, draft)
         return draft
 

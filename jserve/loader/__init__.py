@@ -74,6 +74,7 @@ def load_model(
     cpu_int8_kernel: bool = True,
     max_model_len: int | None = None,
     expert_parallel: bool = False,
+    progress_bars: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder, a hub id
     (`org/name`, or `org/name:FILE.gguf`: from the HF cache, downloaded if absent), a `jserve convert` folder,
@@ -82,7 +83,8 @@ def load_model(
     "w8a8": weights quantized once loaded (jserve.models.quantization),
     laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel` is False. `max_model_len`: the
     context it will serve, which picks long-context rope frequencies where a model has two sets (longrope).
-    `expert_parallel`: a mixture of experts on a mesh splits whole experts over its devices (not each expert)."""
+    `expert_parallel`: a mixture of experts on a mesh splits whole experts over its devices (not each expert).
+    `progress_bars`: a tqdm bar while tensors load (off for a server, whose log gets the finished line only)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     target_dtype = resolve_dtype(dtype)
@@ -104,7 +106,8 @@ def load_model(
         tensors = iter_gguf_tensors(reader, config, source.path, keep_blocks=quantization is Quantization.GGUF)
         tensors = split_fused_tensors(stack_expert_tensors(tensors, config, source.path.name), config)
         placement = WeightPlacement.create(config, mesh, expert_parallel)
-        graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total=len(reader.tensors))
+        total = len(reader.tensors)
+        graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total, progress_bars)
     elif source.kind == "hf":
         config = read_hf_config(source.path).for_context(max_model_len)
         tokenizer = Tokenizer.from_folder(source.path)
@@ -121,7 +124,8 @@ def load_model(
             ),
             target_dtype,
             name,
-            total=count_tensors(files),
+            count_tensors(files),
+            progress_bars,
         )
     elif source.kind == "random":
         config = shape_config(source.path.name)
@@ -134,7 +138,8 @@ def load_model(
         tokenizer = Tokenizer.from_folder(source.path)
         tensors = read_orbax(source.path, config, saved_dtype)
         placement = WeightPlacement.create(config, mesh, expert_parallel)
-        graphdef, params = assemble(placement, tensors.items(), target_dtype, source.path.name, total=len(tensors))
+        total = len(tensors)
+        graphdef, params = assemble(placement, tensors.items(), target_dtype, source.path.name, total, progress_bars)
     num_params = sum(x.size for x in jax.tree.leaves(params))
     if quantization.quantized:
         graphdef, params = quantize_model(placement, params, target_dtype, quantization, cpu_int8_kernel)

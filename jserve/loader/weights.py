@@ -103,9 +103,11 @@ def assemble(
     dtype,
     source: str,
     total: int | None = None,
+    progress_bar: bool = True,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params) for the placement's config from (name, array) pairs checked against the
-    checkpoint's config; names may carry the HF `model.` prefix. GgufBlocks stay blocks (gguf_blocks.py)."""
+    checkpoint's config; names may carry the HF `model.` prefix. GgufBlocks stay blocks (gguf_blocks.py).
+    `total`: how many pairs come, for the progress bar (shown unless not `progress_bar`)."""
     config, parallelism = placement.config, placement.parallelism
     model = abstract_module(config, dtype, parallelism=parallelism)
     # Shapes as the checkpoint has them (tensor-parallel padding may have grown the placed ones).
@@ -117,7 +119,8 @@ def assemble(
     loaded: dict[str, jax.Array] = {}
     layouts: dict[str, tuple[tuple[int, int], ...]] = {}  # weights kept in GGUF blocks: their segments
     waiting: dict[str, list[np.ndarray | GgufBlocks | None]] = {}  # fused params by name: their pieces so far
-    for name, array in tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False):
+    bar = tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False, disable=not progress_bar)
+    for name, array in bar:
         key = name.removeprefix("model.")
         if key == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding table is the head
