@@ -60,8 +60,8 @@ def build_model_input(
     Logits come back for each chunk's last token (or every real token with all_logits); padding rows of
     logits_indices point at token 0 and are to be ignored.
     """
-    page_tables = np.zeros((len(chunks), max_pages), np.int32)
-    for i, chunk in enumerate(chunks):  # per sequence; everything per token is vectorised
+    page_tables = np.zeros((num_seqs, max_pages), np.int32)
+    for i, chunk in enumerate(chunks[:num_seqs]):  # per sequence; everything per token is vectorised
         page_tables[i, : len(chunk.pages)] = chunk.pages
     token_ids = np.concatenate([c.token_ids for c in chunks]) if chunks else np.zeros(0, np.int32)
     starts = np.array([c.start_pos for c in chunks], np.int32)
@@ -80,7 +80,8 @@ def ragged_model_input(
     all_logits: bool = False,
 ) -> ModelInput:
     """The padded batch of n sequences given as arrays: sequence i runs lens[i] of `token_ids` (concatenated)
-    from position starts[i], with its pages in page_tables[i] ([n, max_pages])."""
+    from position starts[i], with its pages in page_tables[i] ([num_seqs, max_pages], padding rows zero: the
+    step's own page tables, not copied)."""
     n = len(lens)
     cu = np.zeros(n + 1, np.int32)
     np.cumsum(lens, out=cu[1:])
@@ -95,8 +96,6 @@ def ragged_model_input(
     positions[:total] = real_pos
     slots = np.full(num_tokens, PAD_SLOT, np.int32)
     slots[:total] = page_tables[seq_of_token, real_pos // page_size] * page_size + real_pos % page_size
-    padded_tables = np.zeros((num_seqs, page_tables.shape[1]), np.int32)
-    padded_tables[:n] = page_tables
     context_lens = np.zeros(num_seqs, np.int32)
     context_lens[:n] = starts + lens
     query_start_loc = np.full(num_seqs + 1, total, np.int32)
@@ -108,6 +107,6 @@ def ragged_model_input(
         logits_indices[:n] = cu[1:] - 1
     return ModelInput(
         token_ids=ids,
-        attention=AttentionMetadata(positions, slots, padded_tables, context_lens, query_start_loc),
+        attention=AttentionMetadata(positions, slots, page_tables, context_lens, query_start_loc),
         logits_indices=logits_indices,
     )

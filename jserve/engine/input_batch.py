@@ -76,7 +76,8 @@ class InputBatch:
 
     def model_input(self, slots, starts, lens, token_ids, num_tokens: int, num_seqs: int) -> ModelInput:
         """The step's padded ragged batch: `lens[i]` tokens of the sequence in `slots[i]` from `starts[i]`."""
-        page_tables = self.page_table[slots]
+        page_tables = np.zeros((num_seqs, self.page_table.shape[1]), np.int32)
+        page_tables[: len(slots)] = self.page_table[slots]
         return ragged_model_input(token_ids, starts, lens, page_tables, self.page_size, num_tokens, num_seqs)
 
     def sampling(self, slots, num_output, constrained, num_seqs: int, bitmask, no_bias) -> SamplingBatch:

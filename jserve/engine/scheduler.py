@@ -154,8 +154,10 @@ class Scheduler:
             i += 1
 
         if self.speculation is not None:  # drafts only where they pay; the budget they free goes to admissions
-            scheduled = self.speculation.plan(scheduled)
-            budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
+            planned = self.speculation.plan(scheduled)
+            if planned is not scheduled:  # (the same list when nothing was dropped)
+                scheduled = planned
+                budget = self.config.max_num_batched_tokens - sum(s.num_tokens for s in scheduled)
         # Admit only when nothing had to be preempted: pages are short.
         if not preempted:
             self._admit_waiting(scheduled, budget)
