@@ -5,9 +5,11 @@ The model is random weights of a 32-layer, very narrow Llama shape (`--model ran
 whose device step is small, so the step is mostly host; `--model default` measures the default model's decode.
 Each measurement admits N greedy requests (16-token prompts, `ignore_eos`), steps until every one decodes, then
 times `--steps` decode steps: the engine's own host ms/step (the figure its stats line prints), wall ms/step,
-and, where the engine reports them, the host time by phase. XLA runs the device's work on one CPU thread
-(`--device-threads`), leaving the other core to the engine thread as a GPU would: on 2 cores, a device step
-spread over both would slow the host thread it overlaps and count as host time. `--baseline REV` runs the
+and, where the engine reports them, the host time by phase. The engine thread gets the first core to itself
+and every other thread of the process (XLA's workers, which run the device's step) the others, as a GPU
+leaves the host its cores: XLA's CPU client runs a step on as many threads as there are cores, and on 2
+cores a step beside the engine thread would take CPU from it, counted as host time (`--no-pin` measures
+that instead). `--baseline REV` runs the
 same measurement against the jserve of git revision REV (checked out in a temporary worktree) in a child
 process just before, and prints the ratio, so both sides share one machine and one run.
 
@@ -23,15 +25,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
-
-# --device-threads (default 1) takes effect before jax is imported.
-_threads = sys.argv[sys.argv.index("--device-threads") + 1] if "--device-threads" in sys.argv else "1"
-_flags = f"--xla_cpu_multi_thread_eigen={str(_threads != '1').lower()} intra_op_parallelism_threads={_threads}"
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flags}".strip()
 
 # A 32-layer Llama shape with tiny widths and SmolLM2's vocabulary (so its tokenizer decodes every id).
 NARROW = dict(family="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=32, num_heads=2,
@@ -47,7 +45,26 @@ def register_narrow_shape() -> None:
     MODEL_SHAPES.setdefault("narrow-32l", ModelConfig(**NARROW))
 
 
-def measure(model: str, running: list[int], steps: int, repeats: int) -> dict:
+# The cores this process may use, read before pin_threads narrows the engine thread's.
+CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
+
+
+def pin_threads() -> bool:
+    """The calling (engine) thread alone on the first core, the process's other threads on the rest; False
+    where threads cannot be pinned (not Linux, or one core)."""
+    cores = CORES
+    if len(cores) < 2:
+        return False
+    engine_thread = threading.get_native_id()
+    for thread in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(thread, cores[:1] if thread == engine_thread else cores[1:])
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    return True
+
+
+def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool = True) -> dict:
     """{N: {"host_ms": [...], "wall_ms": [...], "phases_ms": {phase: [...]}}} for one engine."""
     register_narrow_shape()
     from jserve import LLM, SamplingParams
@@ -61,6 +78,8 @@ def measure(model: str, running: list[int], steps: int, repeats: int) -> dict:
     for n in running:
         entry = {"host_ms": [], "wall_ms": [], "phases_ms": {}}
         for _ in range(repeats):
+            if pin and not pin_threads():
+                raise SystemExit("cannot pin threads here (needs Linux and 2 cores): run with --no-pin")
             params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
             ids = [engine.add_request(rng.integers(100, 20000, PROMPT_LEN).tolist(), params) for _ in range(n)]
             while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
@@ -84,10 +103,12 @@ def measure(model: str, running: list[int], steps: int, repeats: int) -> dict:
             while engine.has_unfinished_requests():
                 engine.step()
         results[n] = entry
+    if pin:  # child processes (the baseline's) inherit the calling thread's cores
+        os.sched_setaffinity(threading.get_native_id(), CORES)
     return results
 
 
-def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: int, device_threads: int) -> dict:
+def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: int, pin: bool) -> dict:
     """The same measurement in a child process importing jserve from a worktree of `rev`."""
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +117,7 @@ def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: 
                        capture_output=True)  # fmt: skip
         try:
             command = [sys.executable, __file__, "--model", model, "--steps", str(steps), "--repeats", str(repeats),
-                       "--device-threads", str(device_threads), "--json", "--running", *map(str, running)]  # fmt: skip
+                       *([] if pin else ["--no-pin"]), "--json", "--running", *map(str, running)]  # fmt: skip
             env = {**os.environ, "PYTHONPATH": str(tree)}
             out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
         finally:
@@ -135,18 +156,19 @@ def main() -> None:
     parser.add_argument("--running", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per size; medians are printed")
-    parser.add_argument("--device-threads", type=int, default=1, help="XLA's CPU threads for the device's work")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave threads unpinned: the device's work shares the engine thread's core")  # fmt: skip
     parser.add_argument("--baseline", metavar="REV", help="also measure the jserve of this git revision")
     parser.add_argument("--json", action="store_true", help="print the raw results as one JSON line")
     args = parser.parse_args()
     for model in args.model:
         if args.json:
-            print(json.dumps(measure(model, args.running, args.steps, args.repeats)))
+            print(json.dumps(measure(model, args.running, args.steps, args.repeats, not args.no_pin)))
             continue
         baseline = None
         if args.baseline:
-            baseline = run_baseline(args.baseline, model, args.running, args.steps, args.repeats, args.device_threads)
-        report(model, measure(model, args.running, args.steps, args.repeats), baseline, args.baseline)
+            baseline = run_baseline(args.baseline, model, args.running, args.steps, args.repeats, not args.no_pin)
+        report(model, measure(model, args.running, args.steps, args.repeats, not args.no_pin), baseline, args.baseline)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class Request:
     # OutputProcessor: all tokens (prompt then output) in a buffer sized for the longest sequence, so
     # slicing is cheap; the prompt is written at construction.
     token_buffer: np.ndarray = field(init=False, repr=False)
+    num_prompt_tokens: int = field(init=False)  # set with the prompt (read several times a step: not a property)
     num_tokens: int = field(init=False)  # OutputProcessor: tokens whose ids the host knows
     # OutputProcessor, on the engine's word (OutputProcessor.launched) for async scheduling: tokens sampled
     # by launched steps whose ids the host has not fetched yet (0-2), and the row of the latest launched
@@ -86,8 +87,8 @@ class Request:
 
     def __post_init__(self):
         self.token_buffer = np.zeros(self.max_model_len, np.int32)
-        self.token_buffer[: len(self.prompt_token_ids)] = self.prompt_token_ids
-        self.num_tokens = len(self.prompt_token_ids)
+        self.num_prompt_tokens = self.num_tokens = len(self.prompt_token_ids)
+        self.token_buffer[: self.num_prompt_tokens] = self.prompt_token_ids
 
     @property
     def seq_len(self) -> int:
@@ -97,14 +98,10 @@ class Request:
     @property
     def reached_max_len(self) -> bool:
         """Its pending tokens already end it by length: scheduling it again would compute a token past the end."""
-        max_tokens = self.params.max_tokens
-        return self.seq_len >= self.max_model_len or (
-            max_tokens is not None and self.seq_len - self.num_prompt_tokens >= max_tokens
-        )
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        seq_len, max_tokens = self.num_tokens + self.num_pending, self.params.max_tokens
+        if seq_len >= self.max_model_len:
+            return True
+        return max_tokens is not None and seq_len - self.num_prompt_tokens >= max_tokens
 
     @property
     def num_output_tokens(self) -> int:

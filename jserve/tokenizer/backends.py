@@ -1,8 +1,9 @@
 """The two engines behind `Tokenizer`: `tokenizers` (tokenizer.json, GGUF byte-level BPE) and `sentencepiece`."""
 
+import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +36,9 @@ class Backend(Protocol):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+
+    def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        """`decode` for one setting, taking a list, with as little in between as the engine allows."""
 
     def id_to_token(self, token_id: int) -> str | None: ...
 
@@ -71,6 +75,9 @@ class TokenizersBackend:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._model.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        return functools.partial(self._model.decode, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._model.id_to_token(token_id)
@@ -168,6 +175,9 @@ class SentencePieceBackend:
         if start < len(text):
             ids += self._processor.encode(text[start:])
         return self._prefix + ids + self._suffix if add_special_tokens else ids
+
+    def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+        return functools.partial(self.decode, skip_special_tokens=skip_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         parts: list[str] = []

@@ -27,8 +27,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode = tokenizer.decoder(skip_special_tokens)  # called twice a token: bound once
         self._ids = list(prompt_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
         # ids[window_start:emitted_end] were already turned into text;
         # text from window_start on is re-decoded to give later tokens context.
@@ -56,6 +55,3 @@ class IncrementalDetokenizer:
     def _advance(self, emitted: str, text: str) -> str:
         self._window_start, self._emitted_end = self._emitted_end, len(self._ids)
         return text[len(emitted) :]
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)

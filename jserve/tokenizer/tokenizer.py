@@ -8,7 +8,7 @@ and the chat template.
 """
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens)
+
+    def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """`decode` of a list with one setting, straight to the backend: for callers that decode every token."""
+        return self._backend.decoder(skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._backend.id_to_token(i) for i in ids]
