@@ -52,13 +52,12 @@ CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else
 def pin_threads() -> bool:
     """The calling (engine) thread alone on the first core, the process's other threads on the rest; False
     where threads cannot be pinned (not Linux, or one core)."""
-    cores = CORES
-    if len(cores) < 2:
+    if len(CORES) < 2:
         return False
     engine_thread = threading.get_native_id()
     for thread in map(int, os.listdir("/proc/self/task")):
         try:
-            os.sched_setaffinity(thread, cores[:1] if thread == engine_thread else cores[1:])
+            os.sched_setaffinity(thread, CORES[:1] if thread == engine_thread else CORES[1:])
         except ProcessLookupError:  # ended meanwhile
             pass
     return True

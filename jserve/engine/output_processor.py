@@ -114,18 +114,15 @@ class OutputProcessor:
         if state.final is not None:  # finished and output already: a sibling's progress asks again
             return state.final
         finished = request.is_finished
-        delta = state.unsent
-        if not finished and state.max_stop_len > 1:  # the tail that could still begin a stop string stays
-            cut = max(0, len(delta) - state.max_stop_len + 1)
-            delta, state.unsent = delta[:cut], delta[cut:]
-        else:
-            state.unsent = ""
+        held = 0 if finished else max(0, state.max_stop_len - 1)
+        cut = max(0, len(state.unsent) - held)
+        delta, state.unsent = state.unsent[:cut], state.unsent[cut:]
         if delta:
             state.sent.append(delta)
         first, last = request.num_prompt_tokens + state.tokens_sent, request.num_tokens
         wants_logprobs = request.params.logprobs is not None
         delta_logprobs = request.logprobs[state.tokens_sent :] if wants_logprobs else None
-        state.tokens_sent = last - request.num_prompt_tokens
+        state.tokens_sent = request.num_output_tokens
         if finished:  # the whole completion, assembled once
             text, token_ids, logprobs = "".join(state.sent), request.output_token_ids, list(request.logprobs)
         else:

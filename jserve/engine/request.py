@@ -98,7 +98,7 @@ class Request:
     @property
     def reached_max_len(self) -> bool:
         """Its pending tokens already end it by length: scheduling it again would compute a token past the end."""
-        seq_len, max_tokens = self.num_tokens + self.num_pending, self.params.max_tokens
+        seq_len, max_tokens = self.seq_len, self.params.max_tokens
         if seq_len >= self.max_model_len:
             return True
         return max_tokens is not None and seq_len - self.num_prompt_tokens >= max_tokens
