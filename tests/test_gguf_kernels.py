@@ -125,18 +125,50 @@ def test_a_tokens_product_does_not_depend_on_its_step(ggml_type):
     np.testing.assert_array_equal(got[-5:], np.asarray(cpu_kernels.gguf_linear(x[-5:], flat, segments, norm=norm)))
 
 
-def test_cpus_without_avx512_compute_the_same(tmp_path):
-    """The scalar loops (a build without AVX-512, for CPUs without VNNI) give the vector kernel's products:
-    the same digits and integer sums, then float steps (which may round differently)."""
-    library, obj = tmp_path / "scalar.so", tmp_path / "scalar.o"
-    source = Path(cpu_kernels.__file__).parent / "gguf_tiles.cc"
+@pytest.mark.parametrize("ggml_type", list(HALF_OFFSETS), ids=lambda t: t.name)
+def test_largest_codes_and_digits_do_not_overflow(ggml_type):
+    """Every code at its largest (Q8_0's at -128) against inputs whose digits are all ±127: the int16 sums
+    of the AVX2 pass sit closest to their limit, and still give the exact integer products."""
+    rng = np.random.default_rng(6)
+    depth = 256
+    w = random_blocks(rng, ggml_type, 24, depth).reshape(24, depth // GGML_QUANT_SIZES[ggml_type][0], -1)
+    halves = np.zeros(w.shape[-1], bool)
+    for at in HALF_OFFSETS[ggml_type]:
+        halves[at : at + 2] = True
+    w[..., ~halves] = 0x80 if ggml_type == G.Q8_0 else 0xFF
+    w = w.reshape(24, -1)
+    x = np.repeat(rng.choice([-1.0, 1.0], (3, depth // 32)), 32, axis=1).astype(np.float32)
+    flat, segments = kernel_weight([(ggml_type, w)], depth)
+    y = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments))
+    digits, _ = digit_product(x, w, ggml_type)
+    np.testing.assert_allclose(y, digits, atol=1e-6 * np.abs(digits).max(), rtol=0)
+
+
+# Builds of the tiles for CPUs with fewer instructions than this one's: (compiler flags, what it reports).
+NARROWER_BUILDS = {"avx2": (("-mno-avx512f",), b"AVX2"), "scalar": (("-mno-avx2", "-mno-avx512f"), None)}
+
+
+@pytest.mark.parametrize("build", list(NARROWER_BUILDS))
+def test_narrower_instruction_sets_compute_the_same(tmp_path, build):
+    """The AVX2 pass (a build without AVX-512) and the scalar loops (a build without AVX2) give this CPU's
+    kernel's products: the same digits and integer sums, then float steps (which may round differently)."""
+    flags, reports = NARROWER_BUILDS[build]
+    if build == "avx2" and "avx2" not in cpu_kernels._cpu_flags().split():
+        pytest.skip("this CPU has no AVX2 to run the AVX2 pass on")
+    library = tmp_path / f"{build}.so"
+    sources = sorted(Path(cpu_kernels.__file__).parent.glob("gguf_tiles*.cc"))
     compiler = cpu_kernels._compiler()
     # Compiled and linked apart, as cpu_kernels.build does: linked with -ffast-math, the library would turn
     # on flush-to-zero for this whole process when it loads.
-    subprocess.run([compiler, *cpu_kernels.COMPILE_FLAGS, "-mno-avx512f", "-c", str(source), "-o", str(obj)],
-                   check=True, capture_output=True)  # fmt: skip
-    subprocess.run([compiler, *cpu_kernels.LINK_FLAGS, str(obj), "-o", str(library)], check=True, capture_output=True)
-    product = ctypes.CDLL(str(library)).JserveGgufTilesProduct
+    objects = [tmp_path / f"{source.stem}.o" for source in sources]
+    for source, obj in zip(sources, objects, strict=True):
+        subprocess.run([compiler, *cpu_kernels.COMPILE_FLAGS, *flags, "-c", str(source), "-o", str(obj)],
+                       check=True, capture_output=True)  # fmt: skip
+    subprocess.run([compiler, *cpu_kernels.LINK_FLAGS, *map(str, objects), "-o", str(library)], check=True,
+                   capture_output=True)  # fmt: skip
+    built = ctypes.CDLL(str(library))
+    built.JserveGgufTilesVectorized.restype = ctypes.c_char_p
+    assert built.JserveGgufTilesVectorized() == reports
     rng = np.random.default_rng(5)
     for ggml_type in list(HALF_OFFSETS):
         w = random_blocks(rng, ggml_type, 37, 256)
@@ -145,8 +177,9 @@ def test_cpus_without_avx512_compute_the_same(tmp_path):
         expected = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments))
         tiles, got = np.asarray(flat), np.zeros((5, 37), np.float32)
         pointer = ctypes.c_void_p
-        product(ctypes.c_int64(int(ggml_type)), tiles.ctypes.data_as(pointer), ctypes.c_int64(37), ctypes.c_int64(256),
-                x.ctypes.data_as(pointer), ctypes.c_int64(5), got.ctypes.data_as(pointer))  # fmt: skip
+        built.JserveGgufTilesProduct(ctypes.c_int64(int(ggml_type)), tiles.ctypes.data_as(pointer), ctypes.c_int64(37),
+                                     ctypes.c_int64(256), x.ctypes.data_as(pointer), ctypes.c_int64(5),
+                                     got.ctypes.data_as(pointer))  # fmt: skip
         np.testing.assert_allclose(got, expected, atol=1e-6 * np.abs(expected).max(), rtol=0)
 
 

@@ -2,7 +2,7 @@
 
 paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_linear.cc the
 projections of --quantization int8 (with AVX-512 VNNI); gguf_linear.cc projections and lookups of weights
-kept in GGUF's block formats; zero_pages.cc allocates the KV cache and
+kept in GGUF's block formats (gguf_tiles*.cc: with AVX-512 VNNI or AVX2); zero_pages.cc allocates the KV cache and
 write_kv.cc writes into it. The sources are compiled together, once per machine, source, compiler and
 jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and registered as XLA custom calls. Without a
 C++ compiler `available()` is False and the CPU runs the plain-JAX attention and XLA's int8 dot instead.
@@ -157,9 +157,16 @@ def int8_linear_available() -> bool:
     return available() and bool(load().JserveInt8LinearSupported())
 
 
-def gguf_tiles_vectorized() -> bool:
-    """Whether gguf_linear multiplies the tiled formats (gguf_tiles.h) with AVX-512 VNNI here (else scalar loops)."""
-    return available() and bool(load().JserveGgufTilesVectorized())
+@functools.cache
+def gguf_tiles_instructions() -> str | None:
+    """The vector instructions gguf_linear multiplies the tiled formats (gguf_tiles.h) with here ("AVX-512
+    VNNI" or "AVX2"), or None where it runs scalar loops (or the kernels do not build)."""
+    if not available():
+        return None
+    vectorized = load().JserveGgufTilesVectorized
+    vectorized.restype = ctypes.c_char_p
+    name = vectorized()
+    return name.decode() if name else None
 
 
 def int8_linear(

@@ -377,8 +377,6 @@ ffi::Error GgufRows(ffi::Buffer<ffi::U8> table, ffi::Buffer<ffi::S32> ids, ffi::
 
 }  // namespace
 
-extern "C" int JserveGgufTilesVectorized() { return jserve::gguf::Vectorized(); }
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveGgufLinear, GgufLinear,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()

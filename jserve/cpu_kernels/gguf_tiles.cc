@@ -6,84 +6,19 @@
 #include <cstring>
 
 #include "ggml.h"
+#include "gguf_layout.h"
 #include "row_norm.h"
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define JSERVE_TILES_VNNI 1
-#else
-#define JSERVE_TILES_VNNI 0
 #endif
 
 namespace jserve::gguf {
 namespace {
 
 using jserve::ggml::Half;
-using jserve::ggml::kQ4_0;
-using jserve::ggml::kQ4_1;
-using jserve::ggml::kQ4_K;
-using jserve::ggml::kQ5_0;
-using jserve::ggml::kQ5_1;
-using jserve::ggml::kQ5_K;
-using jserve::ggml::kQ6_K;
-using jserve::ggml::kQ8_0;
 
-constexpr int64_t kBlock = 32;
-constexpr int kDigits = 3;                  // int8 digits per input: v = 2¹⁴·c2 + 2⁷·c1 + c0
-constexpr float kDigitRange = 2080768.0f;   // |v| ≤ 127·2¹⁴: c2 stays an int8, c1 and c0 within ±64
-
-// One field of a format's block: its offset in ggml's block and its bytes per row. A tile block holds the
-// 16 rows' fields in the layout's order, a 2-byte field as 16 values, a longer one as 64-byte vectors whose
-// lane r holds 4 bytes of row r (gguf_tiles.py writes them).
-struct Field {
-  int64_t at, bytes;
-};
-
-struct Layout {
-  int64_t inputs, block_bytes;  // per block
-  int count;
-  Field fields[8];
-
-  constexpr int64_t Lane(int f) const { return fields[f].bytes < 4 ? fields[f].bytes : 4; }
-  // Where field f starts in a tile block.
-  constexpr int64_t Offset(int f) const {
-    int64_t offset = 0;
-    for (int i = 0; i < f; ++i) offset += kTileRows * fields[i].bytes;
-    return offset;
-  }
-};
-
-constexpr Layout LayoutOf(int64_t type) {
-  switch (type) {
-    case kQ4_0: return {32, 18, 2, {{0, 2}, {2, 16}}};                              // d, codes
-    case kQ4_1: return {32, 20, 3, {{0, 2}, {2, 2}, {4, 16}}};                      // d, m, codes
-    case kQ5_0: return {32, 22, 3, {{0, 2}, {2, 4}, {6, 16}}};                      // d, 5th bits, codes
-    case kQ5_1: return {32, 24, 4, {{0, 2}, {2, 2}, {4, 4}, {8, 16}}};              // d, m, 5th bits, codes
-    case kQ4_K: return {256, 144, 4, {{0, 2}, {2, 2}, {4, 12}, {16, 128}}};         // d, dmin, scales, codes
-    case kQ5_K: return {256, 176, 5, {{0, 2}, {2, 2}, {4, 12}, {16, 32}, {48, 128}}};  // ... 5th bits, codes
-    // d, scales, then the 4 low bits and 2 high bits of the codes in the order the parts read them
-    // (kQ6Low, kQ6High): one stream through the tile block, not two.
-    case kQ6_K:
-      return {256, 210, 8, {{208, 2}, {192, 16}, {0, 32}, {128, 32}, {32, 32}, {64, 32}, {160, 32}, {96, 32}}};
-    default: return {32, 34, 2, {{0, 2}, {2, 32}}};                                 // kQ8_0: d, codes
-  }
-}
-
-// Q6_K's fields holding the low bits of half h's streams k = 0, 2 (2h) and 1, 3 (2h + 1), and its high bits.
-constexpr int kQ6Low[4] = {2, 4, 5, 7}, kQ6High[2] = {3, 6};
-
-// Formats of 32-input blocks with 4-bit codes (and a 5th bit), and those with Q4_K's packed 6-bit scales.
-constexpr bool Nibbled(int64_t type) { return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1; }
-constexpr bool PackedScales(int64_t type) { return type == kQ4_K || type == kQ5_K; }
-// Formats whose weights have a term independent of the code (a minimum, or Q4_0's −8·d and Q5_0's −16·d).
-constexpr bool HasMin(int64_t type) { return type != kQ8_0 && type != kQ6_K; }
-
-const uint8_t* TileBlock(const uint8_t* tiles, int64_t type, int64_t blocks, int64_t tile, int64_t block) {
-  return tiles + (tile * blocks + block) * kTileRows * LayoutOf(type).block_bytes;
-}
-
-// The format's blocks per row for activations of a.blocks blocks of 32 inputs.
-int64_t BlocksPerRow(int64_t type, const Activations& a) { return a.blocks * kBlock / LayoutOf(type).inputs; }
+constexpr float kDigitRange = 2080768.0f;  // |v| ≤ 127·2¹⁴: c2 stays an int8, c1 and c0 within ±64
 
 // Byte i of row r's field f in a tile block.
 uint8_t FieldByte(const Layout& layout, const uint8_t* tile_block, int f, int r, int64_t i) {
@@ -142,9 +77,9 @@ RowPart PartOf(int64_t type, const uint8_t* tb, int r, int j) {
   return part;
 }
 
-// The same products with plain loops (CPUs without AVX-512 VNNI): the same integer sums per half block,
+// The same products with plain loops (CPUs without AVX2): the same integer sums per half block,
 // then y += (d·s)·(f0·Σ0 + f1·Σ1) and the minimum's term.
-[[maybe_unused]] void ScalarRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_begin, int64_t tile_end,
+void ScalarRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_begin, int64_t tile_end,
                                  const Activations& a, int64_t token_begin, int64_t token_end, int64_t outputs,
                                  int64_t first_row, float* y) {
   const int64_t parts = LayoutOf(type).inputs / kBlock, blocks = BlocksPerRow(type, a);
@@ -167,219 +102,9 @@ RowPart PartOf(int64_t type, const uint8_t* tb, int r, int j) {
   }
 }
 
-#if JSERVE_TILES_VNNI
-using jserve::Lanes;
-
-// acc + Σ of wv's unsigned bytes times the 4 signed bytes at `four`, per lane (vpdpbusd, `four` broadcast;
-// in assembly as int8_linear.cc's, which found GCC moving accumulators between registers otherwise).
-inline __m512i Dot(__m512i acc, __m512i wv, const int8_t* four) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(wv), "m"(*reinterpret_cast<const int32_t*>(four)));
-  return acc;
-}
-
-// A tile block's part for one 32-input activation block (part j): the 16 rows' codes of its inputs 4p..4p+3
-// in codes[p] (unsigned bytes for vpdpbusd), the scale d of their sums, the coefficient of the inputs'
-// float sum, and for Q6_K the int8 factors of its two halves.
-struct Part {
-  __m512i codes[8];
-  __m512 d, min, half[2];
-};
-
-// The low (high = 0) or high (1) nibbles of v's bytes.
-inline __m512i Nibbles(__m512i v, int high) {
-  return _mm512_and_si512(_mm512_srl_epi16(v, _mm_cvtsi32_si128(4 * high)), _mm512_set1_epi8(0x0F));
-}
-
-inline __m512 Halves(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline __m512i Vector(const uint8_t* p) { return _mm512_loadu_si512(p); }
-
-// codes + 16 where the 5th bit is set: byte b of each lane takes bit first + b of the lane's 32-bit word.
-inline __m512i WithFifthBits(__m512i codes, __m512i words, int first) {
-  // Each lane's byte first / 8 into all 4 of its bytes (vpshufb indexes within 16-byte groups), then
-  // byte b tests bit first % 8 + b.
-  const __m512i lane_base = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000);
-  const __m512i spread = _mm512_shuffle_epi8(words, _mm512_add_epi8(lane_base, _mm512_set1_epi8(first / 8)));
-  const __m512i bits = _mm512_set1_epi32(static_cast<int>(0x08040201u << (first % 8)));
-  return _mm512_mask_add_epi8(codes, _mm512_test_epi8_mask(spread, bits), codes, _mm512_set1_epi8(16));
-}
-
-// Byte `byte` of each 32-bit lane, as an unsigned or signed int32.
-inline __m512i LaneByte(__m512i v, int byte) {
-  return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * byte)), _mm512_set1_epi32(0xFF));
-}
-inline __m512 SignedLaneByte(__m512i v, int byte) {
-  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - 8 * byte)), 24));
-}
-
-// Q6_K's codes of stream k: 4 bits of `low` (its low nibbles for k < 2, else its high ones) and bits 2k
-// and 2k + 1 of `high`, moved to bits 4 and 5.
-template <int kStream>
-inline void Q6Codes(const uint8_t* low, const uint8_t* high, __m512i* codes) {
-  for (int p = 0; p < 8; ++p) {
-    const __m512i v = Vector(high + 64 * p);
-    const __m512i top = kStream < 3 ? _mm512_slli_epi16(v, 4 - 2 * kStream) : _mm512_srli_epi16(v, 2);
-    const __m512i l = Vector(low + 64 * p);
-    const __m512i lows = kStream < 2 ? l : _mm512_srli_epi16(l, 4);
-    // (lows & 0x0F) | (top & 0x30)
-    codes[p] = _mm512_ternarylogic_epi32(lows, _mm512_and_si512(top, _mm512_set1_epi8(0x30)), _mm512_set1_epi8(0x0F),
-                                         0xEC);
-  }
-}
-
-template <int64_t kType>
-inline void LoadPart(const uint8_t* tb, int j, Part* part) {
-  constexpr Layout kLayout = LayoutOf(kType);
-  part->d = Halves(tb);
-  part->min = _mm512_setzero_ps();
-  if constexpr (Nibbled(kType)) {
-    if constexpr (kType == kQ4_1 || kType == kQ5_1) part->min = Halves(tb + 32);
-    if constexpr (kType == kQ4_0) part->min = _mm512_mul_ps(part->d, _mm512_set1_ps(-8.0f));
-    if constexpr (kType == kQ5_0) part->min = _mm512_mul_ps(part->d, _mm512_set1_ps(-16.0f));
-    for (int p = 0; p < 4; ++p) {
-      const __m512i v = Vector(tb + kLayout.Offset(kLayout.count - 1) + 64 * p);
-      part->codes[p] = Nibbles(v, 0);
-      part->codes[p + 4] = Nibbles(v, 1);
-    }
-    if constexpr (kType == kQ5_0 || kType == kQ5_1) {  // 5th bits: bit i of lane r's word is row r's input i
-      const __m512i words = Vector(tb + kLayout.Offset(kLayout.count - 2));
-      for (int p = 0; p < 8; ++p) part->codes[p] = WithFifthBits(part->codes[p], words, 4 * (p % 4) + 16 * (p / 4));
-    }
-  } else if constexpr (kType == kQ8_0) {
-    for (int p = 0; p < 8; ++p) {  // unsigned for vpdpbusd: q + 128, taken off through the chains' start
-      part->codes[p] = _mm512_xor_si512(Vector(tb + kLayout.Offset(1) + 64 * p), _mm512_set1_epi8(char(0x80)));
-    }
-  } else if constexpr (PackedScales(kType)) {
-    const uint8_t* scales = tb + kLayout.Offset(2);
-    const __m512i packed[3] = {Vector(scales), Vector(scales + 64), Vector(scales + 128)};
-    auto byte = [&](int i) { return LaneByte(packed[i / 4], i % 4); };
-    __m512i scale, min;
-    if (j < 4) {
-      scale = _mm512_and_si512(byte(j), _mm512_set1_epi32(63));
-      min = _mm512_and_si512(byte(j + 4), _mm512_set1_epi32(63));
-    } else {
-      const __m512i low = _mm512_set1_epi32(0xF);
-      scale = _mm512_or_si512(_mm512_and_si512(byte(j + 4), low),
-                              _mm512_slli_epi32(_mm512_srli_epi32(byte(j - 4), 6), 4));
-      min = _mm512_or_si512(_mm512_srli_epi32(byte(j + 4), 4), _mm512_slli_epi32(_mm512_srli_epi32(byte(j), 6), 4));
-    }
-    part->d = _mm512_mul_ps(part->d, _mm512_cvtepi32_ps(scale));
-    part->min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Halves(tb + 32), _mm512_cvtepi32_ps(min)));
-    const uint8_t* codes = tb + kLayout.Offset(kLayout.count - 1) + 64 * 8 * (j / 2);
-    for (int p = 0; p < 8; ++p) part->codes[p] = Nibbles(Vector(codes + 64 * p), j % 2);
-    if constexpr (kType == kQ5_K) {  // 5th bits: bit j of the high-bit bytes of inputs 4p..4p+3
-      const uint8_t* high = tb + kLayout.Offset(3);
-      const __m512i bit = _mm512_set1_epi8(static_cast<char>(1 << j)), sixteen = _mm512_set1_epi8(16);
-      for (int p = 0; p < 8; ++p) {
-        const __mmask64 set = _mm512_test_epi8_mask(Vector(high + 64 * p), bit);
-        part->codes[p] = _mm512_mask_add_epi8(part->codes[p], set, part->codes[p], sixteen);
-      }
-    }
-  } else {  // kQ6_K: part j is stream k of half h; its 6-bit codes are 4 bits of `low` and 2 of `high`
-    const int h = j / 4, k = j % 4;
-    const __m512i scales = Vector(tb + kLayout.Offset(1) + 64 * (2 * h + k / 2));
-    part->half[0] = SignedLaneByte(scales, 2 * (k % 2));
-    part->half[1] = SignedLaneByte(scales, 2 * (k % 2) + 1);
-    constexpr int64_t kLowAt[4] = {kLayout.Offset(kQ6Low[0]), kLayout.Offset(kQ6Low[1]), kLayout.Offset(kQ6Low[2]),
-                                   kLayout.Offset(kQ6Low[3])};
-    constexpr int64_t kHighAt[2] = {kLayout.Offset(kQ6High[0]), kLayout.Offset(kQ6High[1])};
-    const uint8_t* low = tb + kLowAt[2 * h + k % 2];
-    const uint8_t* high = tb + kHighAt[h];
-    switch (k) {
-      case 0: Q6Codes<0>(low, high, part->codes); break;
-      case 1: Q6Codes<1>(low, high, part->codes); break;
-      case 2: Q6Codes<2>(low, high, part->codes); break;
-      default: Q6Codes<3>(low, high, part->codes);
-    }
-  }
-}
-
-// 2¹⁴·c2 + 2⁷·c1 + c0 of three chains, in float (exact up to float's rounding of the total).
-inline __m512 Combine(const __m512i* chain) {
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(chain[0]), _mm512_set1_ps(16384.0f),
-                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(chain[1]), _mm512_set1_ps(128.0f),
-                                         _mm512_cvtepi32_ps(chain[2])));
-}
-
-// One tile's 16 rows against kTokens tokens: each tile block part's codes are loaded (and unpacked) once,
-// then meet every token's three digit rows in chains of int32 sums (one chain per digit, per half block for
-// Q6_K), whose combination scaled by d·s goes into one float accumulator per token.
-template <int64_t kType, int kTokens>
-void TilePass(const uint8_t* tile, const Activations& a, int64_t t0, int64_t outputs, int64_t o0, int64_t n,
-              float* y) {
-  constexpr Layout kLayout = LayoutOf(kType);
-  constexpr int64_t kParts = kLayout.inputs / kBlock, kTileBlock = kTileRows * kLayout.block_bytes;
-  constexpr int kChains = kType == kQ6_K ? 2 * kDigits : kDigits;
-  const int64_t blocks = a.blocks;
-  __m512 acc[kTokens];
-#pragma GCC unroll 8
-  for (int t = 0; t < kTokens; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    Part part;
-    LoadPart<kType>(tile + b / kParts * kTileBlock, static_cast<int>(b % kParts), &part);
-#pragma GCC unroll 8
-    for (int t = 0; t < kTokens; ++t) {
-      const int64_t at = (t0 + t) * blocks + b;
-      const int8_t* digits = a.digits.data() + at * kDigits * kBlock;
-      const int32_t* sums = a.digit_sums.data() + kDigits * at;
-      const int32_t* first_half = a.half_sums.data() + kDigits * at;
-      __m512i chain[kChains];
-#pragma GCC unroll 6
-      for (int k = 0; k < kChains; ++k) {  // offset codes (Q8_0's flipped, Q6_K's) start without the offset
-        if constexpr (kType == kQ8_0) chain[k] = _mm512_set1_epi32(-128 * sums[k]);
-        else if constexpr (kType == kQ6_K) {
-          const int32_t half = k < kDigits ? first_half[k] : sums[k - kDigits] - first_half[k - kDigits];
-          chain[k] = _mm512_set1_epi32(-32 * half);
-        } else chain[k] = _mm512_setzero_si512();
-      }
-#pragma GCC unroll 8
-      for (int p = 0; p < 8; ++p) {
-        __m512i* into = chain + (kType == kQ6_K && p >= 4 ? kDigits : 0);
-#pragma GCC unroll 3
-        for (int k = 0; k < kDigits; ++k) into[k] = Dot(into[k], part.codes[p], digits + k * kBlock + 4 * p);
-      }
-      __m512 sum = Combine(chain);
-      if constexpr (kType == kQ6_K) {
-        sum = _mm512_fmadd_ps(sum, part.half[0], _mm512_mul_ps(Combine(chain + kDigits), part.half[1]));
-      }
-      acc[t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(part.d, _mm512_set1_ps(a.scale[at])), acc[t]);
-      if constexpr (HasMin(kType)) {
-        acc[t] = _mm512_fmadd_ps(part.min, _mm512_set1_ps(a.sum[at]), acc[t]);
-      }
-    }
-  }
-  const __mmask16 lanes = Lanes(n);
-#pragma GCC unroll 8
-  for (int t = 0; t < kTokens; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * outputs + o0, lanes, acc[t]);
-}
-
-constexpr int kTokensPerPass = 8;
-using PassFn = void (*)(const uint8_t*, const Activations&, int64_t, int64_t, int64_t, int64_t, float*);
-
-template <int64_t kType>
-constexpr PassFn kPasses[kTokensPerPass + 1] = {
-    nullptr,           TilePass<kType, 1>, TilePass<kType, 2>, TilePass<kType, 3>, TilePass<kType, 4>,
-    TilePass<kType, 5>, TilePass<kType, 6>, TilePass<kType, 7>, TilePass<kType, 8>};
-
-const PassFn* PassesFor(int64_t type) {
-  switch (type) {
-    case kQ4_0: return kPasses<kQ4_0>;
-    case kQ4_1: return kPasses<kQ4_1>;
-    case kQ5_0: return kPasses<kQ5_0>;
-    case kQ5_1: return kPasses<kQ5_1>;
-    case kQ4_K: return kPasses<kQ4_K>;
-    case kQ5_K: return kPasses<kQ5_K>;
-    case kQ6_K: return kPasses<kQ6_K>;
-    default: return kPasses<kQ8_0>;
-  }
-}
-#endif
-
 }  // namespace
 
-bool Vectorized() { return JSERVE_TILES_VNNI; }
+const char* Vectorized() { return VnniBuilt() ? "AVX-512 VNNI" : Avx2Built() ? "AVX2" : nullptr; }
 
 int64_t SegmentBytes(int64_t rows, int64_t row_bytes) {
   return (rows + kTileRows - 1) / kTileRows * kTileRows * row_bytes;
@@ -458,25 +183,21 @@ void Quantize(const float* x, int64_t t, Activations* a) {
 void TiledRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_begin, int64_t tile_end,
                const Activations& a, int64_t token_begin, int64_t token_end, int64_t outputs, int64_t first_row,
                float* y) {
-#if JSERVE_TILES_VNNI
-  const PassFn* passes = PassesFor(type);
-  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
-    const uint8_t* first = TileBlock(tiles, type, BlocksPerRow(type, a), tile, 0);
-    const int64_t n = std::min(kTileRows, rows - tile * kTileRows);
-    for (int64_t t = token_begin; t < token_end; t += kTokensPerPass) {
-      const int64_t count = std::min<int64_t>(kTokensPerPass, token_end - t);
-      passes[count](first, a, t, outputs, first_row + tile * kTileRows, n, y);
-    }
+  if (VnniBuilt()) {
+    VnniRows(type, tiles, rows, tile_begin, tile_end, a, token_begin, token_end, outputs, first_row, y);
+  } else if (Avx2Built()) {
+    Avx2Rows(type, tiles, rows, tile_begin, tile_end, a, token_begin, token_end, outputs, first_row, y);
+  } else {
+    ScalarRows(type, tiles, rows, tile_begin, tile_end, a, token_begin, token_end, outputs, first_row, y);
   }
-#else
-  ScalarRows(type, tiles, rows, tile_begin, tile_end, a, token_begin, token_end, outputs, first_row, y);
-#endif
 }
 
 }  // namespace jserve::gguf
 
+extern "C" const char* JserveGgufTilesVectorized() { return jserve::gguf::Vectorized(); }
+
 // y [tokens, rows] = x [tokens, depth] · wᵀ for one tiled weight, outside XLA: lets the tests run a build
-// compiled without AVX-512 (its scalar loops) against the kernel.
+// compiled for another instruction set (or none: its scalar loops) against the kernel.
 extern "C" void JserveGgufTilesProduct(int64_t type, const uint8_t* tiles, int64_t rows, int64_t depth,
                                        const float* x, int64_t tokens, float* y) {
   jserve::gguf::Activations a(tokens, depth);

@@ -9,8 +9,9 @@
 // 64-byte vectors whose lane r is 4 bytes of row r (the codes of 4 inputs, or in the 4-bit fields the
 // codes of 4 inputs in the low nibbles and of 4 others in the high ones, as ggml packs them). Bytes and
 // values are the file's; only their order changes, and a tile block takes exactly the 16 blocks' bytes.
-// One 64-byte load then feeds AVX-512 VNNI's vpdpbusd for 16 outputs at once; codes split over several
-// fields are put together in registers, once per tile block for all of a step's tokens.
+// One 64-byte load then feeds AVX-512 VNNI's vpdpbusd for 16 outputs at once (gguf_tiles_vnni.cc), or
+// each 32-byte half AVX2's vpmaddubsw for 8 (gguf_tiles_avx2.cc); codes split over several fields are put
+// together in registers, once per tile block for all of a step's tokens.
 //
 // The activations meet the codes as integers: per 32 inputs x ≈ s·v with v = round(x / s), s = max|x| /
 // (127·2¹⁴), written as three int8 digits v = 2¹⁴·c2 + 2⁷·c1 + c0 (|c2| ≤ 127, |c1|, |c0| ≤ 64). The
@@ -47,8 +48,9 @@ struct Activations {
 // Token t's activations x [depth] into `a`.
 void Quantize(const float* x, int64_t t, Activations* a);
 
-// Whether this build multiplies tiles with AVX-512 VNNI (else with scalar loops: the same integers).
-bool Vectorized();
+// The instructions this build multiplies tiles with ("AVX-512 VNNI", "AVX2"), or nullptr for scalar loops
+// (the same integers).
+const char* Vectorized();
 
 // y[t, first_row + r] for the rows of tiles [tile_begin, tile_end) of a run of `rows` rows and tokens
 // [token_begin, token_end) of `a`; y's rows are `outputs` long.

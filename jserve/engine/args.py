@@ -81,7 +81,7 @@ class EngineArgs:
     )
     quantization: str = setting(
         "auto",
-        "auto: gguf for a GGUF file on one CPU with AVX-512 VNNI and --dtype auto, else none; gguf: the file's "
+        "auto: gguf for a GGUF file on one CPU with AVX2 or AVX-512 VNNI and --dtype auto, else none; gguf: the file's "
         "Q4/Q5/Q8/K-quant weights kept in their blocks, float32 activations (logits within 1e-3 of float32); "
         "none: weights as loaded (a GGUF file dequantized); int8: int8 weights (per channel) times activations "
         "as two int8 digits per token; w8a8: one int8 digit with a scale per 32 activations, about half the "
