@@ -156,9 +156,9 @@ def load_model(
 
 def resolve_quantization(quantization: str, source: ModelSource, mesh: Mesh | None, dtype: str) -> Quantization:
     """`auto`: a GGUF file keeps its blocks (gguf) on one CPU device whose kernel multiplies them with vector
-    instructions (AVX-512 VNNI or AVX2), unless --dtype asks for a dtype (--dtype float32 is the exact, dequantized path); every other case,
-    float checkpoints included, loads the weights as they are (none): a float checkpoint has no blocks to
-    keep, and int8 / w8a8 change its numbers."""
+    instructions (AVX-512 VNNI or AVX2), unless --dtype asks for a dtype (--dtype float32 is the exact,
+    dequantized path); every other case, float checkpoints included, loads the weights as they are (none): a
+    float checkpoint has no blocks to keep, and int8 / w8a8 change its numbers."""
     if quantization != AUTO:
         return Quantization(quantization)
     native = (
@@ -166,8 +166,11 @@ def resolve_quantization(quantization: str, source: ModelSource, mesh: Mesh | No
         and cpu_kernels.gguf_tiles_instructions() is not None
     )  # fmt: skip
     if native:
-        log.info("Quantization auto: the GGUF file's weights stay in their blocks, multiplied with %s (gguf; "
-                 "--dtype float32 for the dequantized float32 path)", cpu_kernels.gguf_tiles_instructions())
+        log.info(
+            "Quantization auto: the GGUF file's weights stay in their blocks, multiplied with %s (gguf; "
+            "--dtype float32 for the dequantized float32 path)",
+            cpu_kernels.gguf_tiles_instructions(),
+        )
     return Quantization.GGUF if native else Quantization.NONE
 
 
