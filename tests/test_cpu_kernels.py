@@ -1,7 +1,10 @@
 """jserve's C++ CPU kernels (XLA FFI): paged attention against the reference on ragged batches, the int8
 projection against XLA's ops, and the library built once."""
 
+import ctypes
 import dataclasses
+import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +40,38 @@ def test_kernel_matches_reference(name):
     case = make_case(BATCHES[params.pop("batch")], **params)
     kernel = jax.jit(cpu_kernels.ragged_paged_attention, static_argnames=("scale", "sliding_window", "soft_cap"))
     out = kernel(*case.kernel_args(), scale=case.scale, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
+    assert_matches_reference(out, case, "float32")
+
+
+@pytest.fixture(scope="module")
+def avx2_attention(tmp_path_factory):
+    """The attention kernel built for a CPU with AVX2 and no AVX-512 (8-lane vectors, 8-key tiles), under an
+    XLA target of its own; a machine with AVX-512 runs its 16-lane build everywhere else."""
+    if "avx2" not in cpu_kernels._cpu_flags().split():
+        pytest.skip("this CPU has no AVX2 to run the 8-lane attention build on")
+    folder = tmp_path_factory.mktemp("avx2")
+    source, obj, library = Path(cpu_kernels.__file__).parent / "paged_attention.cc", folder / "a.o", folder / "a.so"
+    compile_flags = [*cpu_kernels.COMPILE_FLAGS, "-mno-avx512f", f"-I{jax.ffi.include_dir()}"]
+    subprocess.run([cpu_kernels._compiler(), *compile_flags, "-c", str(source), "-o", str(obj)], check=True,
+                   capture_output=True)  # fmt: skip
+    subprocess.run([cpu_kernels._compiler(), *cpu_kernels.LINK_FLAGS, str(obj), "-o", str(library)], check=True)
+    handler = ctypes.cdll.LoadLibrary(str(library)).JserveRaggedPagedAttention
+    jax.ffi.register_ffi_target("jserve_attention_avx2", jax.ffi.pycapsule(handler), platform="cpu")
+
+    def attend(q, k_pages, v_pages, context_lens, page_tables, query_start_loc, *, scale, sliding_window, soft_cap):
+        call = jax.ffi.ffi_call("jserve_attention_avx2", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        return call(q, k_pages, v_pages, context_lens, page_tables, query_start_loc, scale=np.float32(scale),
+                    sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))  # fmt: skip
+
+    return attend
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_avx2_build_matches_reference(name, avx2_attention):
+    params = dict(CASES[name])
+    case = make_case(BATCHES[params.pop("batch")], **params)
+    out = avx2_attention(*case.kernel_args(), scale=case.scale, sliding_window=case.sliding_window,
+                         soft_cap=case.soft_cap)  # fmt: skip
     assert_matches_reference(out, case, "float32")
 
 

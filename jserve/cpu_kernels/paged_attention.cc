@@ -46,11 +46,21 @@ struct WorkItem {
   int32_t seq, first, count;  // query tokens [first, first + count) of `seq`, every head
 };
 
-// Portable SIMD through GCC/Clang vector extensions: 16 float lanes, compiled to whatever the CPU has.
+// Portable SIMD through GCC/Clang vector extensions, a register wide: 16 float lanes with AVX-512, else 8
+// (AVX2's; on it, 16-lane vectors would be split in two and their cross-lane shuffles cost the kernel half
+// its speed). A tile holds kLanes keys.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 typedef float Vec __attribute__((vector_size(4 * kLanes), aligned(4)));  // aligned(4): unaligned loads are fine
 typedef int32_t IVec __attribute__((vector_size(4 * kLanes), aligned(4)));
+#if defined(__AVX512F__)
 constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+constexpr IVec kIota = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 
 // One head_dim chunk of a K/V row as floats: float32 pages as they are; bfloat16 is a float32's high half.
 inline Vec LoadRow(const float* row) { return *reinterpret_cast<const Vec*>(row); }
@@ -72,6 +82,7 @@ inline const float* Widened(const uint16_t* slot, int64_t slot_size, float* wide
   return wide;
 }
 
+#if defined(__AVX512F__)
 inline float Sum(Vec v) {
   typedef float Half __attribute__((vector_size(32)));
   typedef float Quarter __attribute__((vector_size(16)));
@@ -81,10 +92,11 @@ inline float Sum(Vec v) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-constexpr int BitReverse4(int j) { return ((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3); }
+// Lane j's place in SumEach's result: j's 4 bits reversed.
+constexpr int BitReverse(int j) { return ((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3); }
 
-// 16 vectors -> one vector of their sums, lane k holding the sum of v[BitReverse4(k)] (a tree of shuffles
-// and adds: a third of the work of 16 separate sums). Callers put key j's vector at BitReverse4(j).
+// 16 vectors -> one vector of their sums, lane k holding the sum of v[BitReverse(k)] (a tree of shuffles
+// and adds: a third of the work of 16 separate sums). Callers put key j's vector at BitReverse(j).
 inline Vec SumEach(const Vec* v) {
   Vec a[8], b[4], c[2];
   for (int i = 0; i < 8; ++i) {
@@ -102,6 +114,32 @@ inline Vec SumEach(const Vec* v) {
   return __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
          __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
+#else
+inline float Sum(Vec v) {
+  typedef float Half __attribute__((vector_size(16)));
+  Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
+// Lane j's place in SumEach's result: j's 3 bits reversed.
+constexpr int BitReverse(int j) { return ((j & 1) << 2) | (j & 2) | ((j & 4) >> 2); }
+
+// 8 vectors -> one vector of their sums, lane k holding the sum of v[BitReverse(k)] (the 16-lane tree, a
+// level shorter). Callers put key j's vector at BitReverse(j).
+inline Vec SumEach(const Vec* v) {
+  Vec a[4], b[2];
+  for (int i = 0; i < 4; ++i) {
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  return __builtin_shufflevector(b[0], b[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(b[0], b[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
 
 inline float Max(Vec v) {
   float m = v[0];
@@ -194,7 +232,7 @@ void Attend(const Problem& p, const WorkItem& w) {
           for (int j = 0; j < kLanes; ++j) {
             Vec dot = qv[0] * LoadRow(k_rows[j]);
             for (int c = 1; c < kChunks; ++c) dot += qv[c] * LoadRow(k_rows[j] + c * kLanes);
-            dots[BitReverse4(j)] = dot;
+            dots[BitReverse(j)] = dot;
           }
           scores[i * heads + kv * group + g] = SumEach(dots);
         }
@@ -252,18 +290,18 @@ void Attend(const Problem& p, const WorkItem& w) {
 
 // Head dims the kernel is compiled for (SUPPORTED_HEAD_DIMS in __init__.py; others take the reference).
 bool Supported(int64_t dim) {
-  return dim % kLanes == 0 && (dim == 32 || dim == 64 || dim == 80 || dim == 96 || dim == 128 || dim == 256);
+  return (dim == 32 || dim == 64 || dim == 80 || dim == 96 || dim == 128 || dim == 256);
 }
 
 template <typename Page>
 void AttendItem(const Problem& p, const WorkItem& w) {
-  switch (p.dim / kLanes) {
-    case 2: return Attend<2, Page>(p, w);
-    case 4: return Attend<4, Page>(p, w);
-    case 5: return Attend<5, Page>(p, w);
-    case 6: return Attend<6, Page>(p, w);
-    case 8: return Attend<8, Page>(p, w);
-    case 16: return Attend<16, Page>(p, w);
+  switch (p.dim) {
+    case 32: return Attend<32 / kLanes, Page>(p, w);
+    case 64: return Attend<64 / kLanes, Page>(p, w);
+    case 80: return Attend<80 / kLanes, Page>(p, w);
+    case 96: return Attend<96 / kLanes, Page>(p, w);
+    case 128: return Attend<128 / kLanes, Page>(p, w);
+    case 256: return Attend<256 / kLanes, Page>(p, w);
   }
 }
 
