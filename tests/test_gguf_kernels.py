@@ -111,7 +111,7 @@ def test_segments_of_different_formats_and_a_norm():
         np.testing.assert_allclose(y, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
 
 
-@pytest.mark.parametrize("ggml_type", [G.Q4_1, G.Q5_0, G.Q4_K, G.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(HALF_OFFSETS), ids=lambda t: t.name)
 def test_a_tokens_product_does_not_depend_on_its_step(ggml_type):
     """A step of hundreds of tokens (several token runs of the kernel's work items) gives each token what a
     step of a few gives it, bit for bit."""
