@@ -1,4 +1,5 @@
-// Tiled GGUF rows times integer activations: the layout and arithmetic gguf_tiles.h describes.
+// Tiled GGUF rows times integer activations (gguf_tiles.h): the activations' digits, rows untiled, the scalar
+// loops, and each step's products handed to the widest pass this build has (gguf_tiles_vnni.cc, _avx2.cc).
 #include "gguf_tiles.h"
 
 #include <algorithm>
@@ -80,8 +81,8 @@ RowPart PartOf(int64_t type, const uint8_t* tb, int r, int j) {
 // The same products with plain loops (CPUs without AVX2): the same integer sums per half block,
 // then y += (d·s)·(f0·Σ0 + f1·Σ1) and the minimum's term.
 void ScalarRows(int64_t type, const uint8_t* tiles, int64_t rows, int64_t tile_begin, int64_t tile_end,
-                                 const Activations& a, int64_t token_begin, int64_t token_end, int64_t outputs,
-                                 int64_t first_row, float* y) {
+                const Activations& a, int64_t token_begin, int64_t token_end, int64_t outputs, int64_t first_row,
+                float* y) {
   const int64_t parts = LayoutOf(type).inputs / kBlock, blocks = BlocksPerRow(type, a);
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     for (int r = 0; r < kTileRows && tile * kTileRows + r < rows; ++r) {
