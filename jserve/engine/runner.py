@@ -37,6 +37,14 @@ log = logging.getLogger("jserve")
 
 COMPILE_WORKERS = 4  # at most; never more than the CPU cores
 MASK_TIMINGS_KEPT = 10_000
+NO_ROWS, NO_FLAGS = np.zeros(0, np.int32), np.zeros(0, bool)  # a step's verify or proposing rows, with none
+
+
+def padded(values: np.ndarray, length: int) -> np.ndarray:
+    """values followed by zeros, `length` long."""
+    out = np.zeros(length, values.dtype)
+    out[: len(values)] = values
+    return out
 
 
 class ModelRunner:
@@ -297,7 +305,7 @@ class ModelRunner:
             prompt_targets=self._prompt_targets(sequences, slots, ends - lens + 1, bucket),
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
             proposing=self._proposing_rows(sequences, cfg.proposing_rows(bucket)),
-            deferred=np.pad(deferred, (0, num_seqs - len(deferred))),
+            deferred=padded(deferred, num_seqs),
         )
 
     def _prompt_targets(self, sequences: list[ScheduledSequence], slots, starts, bucket: int) -> np.ndarray:
@@ -316,6 +324,8 @@ class ModelRunner:
     ) -> VerifyInput:
         """A row per draft: at the token before it (the request's latest token, then each earlier draft), with
         its request's options and the seeded key of a decode step that would sample there."""
+        if num_rows == 0:  # no speculation configured
+            return VerifyInput(NO_ROWS, NO_ROWS, NO_ROWS, bitmask, NO_FLAGS)
         positions, rows, steps = (
             np.full(num_rows, -1, np.int32),
             np.zeros(num_rows, np.int32),
@@ -335,6 +345,8 @@ class ModelRunner:
     @staticmethod
     def _proposing_rows(sequences: list[ScheduledSequence], num_rows: int) -> ProposingRows:
         """A row per sequence that proposes for its next step (see proposing_rows), with its verify rows."""
+        if num_rows == 0:  # no draft model
+            return ProposingRows(NO_ROWS, NO_ROWS, NO_ROWS)
         rows, start, count = (np.full(num_rows, -1, np.int32), np.zeros(num_rows, np.int32),
                               np.zeros(num_rows, np.int32))  # fmt: skip
         proposing = proposing_rows(sequences)
