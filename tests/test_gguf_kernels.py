@@ -127,21 +127,28 @@ def test_a_tokens_product_does_not_depend_on_its_step(ggml_type):
 
 @pytest.mark.parametrize("ggml_type", list(HALF_OFFSETS), ids=lambda t: t.name)
 def test_largest_codes_and_digits_do_not_overflow(ggml_type):
-    """Every code at its largest (Q8_0's at -128) against inputs whose digits are all ±127: the int16 sums
-    of the AVX2 pass sit closest to their limit, and still give the exact integer products."""
+    """Every code at its largest (Q8_0's at -128 or 127) against inputs whose digits are all at their largest (c2 at
+    ±127, c1 at ±64): the int16 sums of the AVX2 pass sit closest to their limit, and still give the exact
+    integer products."""
     rng = np.random.default_rng(6)
     depth = 256
     w = random_blocks(rng, ggml_type, 24, depth).reshape(24, depth // GGML_QUANT_SIZES[ggml_type][0], -1)
     halves = np.zeros(w.shape[-1], bool)
     for at in HALF_OFFSETS[ggml_type]:
         halves[at : at + 2] = True
-    w[..., ~halves] = 0x80 if ggml_type == G.Q8_0 else 0xFF
+    w[..., ~halves] = 0xFF
+    if ggml_type == G.Q8_0:  # signed codes: half the rows at -128, half at 127
+        w[:12, :, ~halves] = 0x80
+        w[12:, :, ~halves] = 0x7F
     w = w.reshape(24, -1)
-    x = np.repeat(rng.choice([-1.0, 1.0], (3, depth // 32)), 32, axis=1).astype(np.float32)
+    signs = np.repeat(rng.choice([-1.0, 1.0], (3, depth // 32)), 32, axis=1)
+    # All of a block's digits c2 at ±127; or c1 at ±64 too: v = 2¹⁴·(k + ½) rounds c2 up and leaves c1 = -64.
+    halves = np.where(np.arange(depth) % 32 == 0, 1.0, (rng.integers(0, 126, (3, depth)) + 0.5) / 127)
     flat, segments = kernel_weight([(ggml_type, w)], depth)
-    y = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments))
-    digits, _ = digit_product(x, w, ggml_type)
-    np.testing.assert_allclose(y, digits, atol=1e-6 * np.abs(digits).max(), rtol=0)
+    for x in (signs.astype(np.float32), (signs * halves).astype(np.float32)):
+        y = np.asarray(cpu_kernels.gguf_linear(jnp.asarray(x), flat, segments))
+        digits, _ = digit_product(x, w, ggml_type)
+        np.testing.assert_allclose(y, digits, atol=1e-6 * np.abs(digits).max(), rtol=0)
 
 
 # Builds of the tiles for CPUs with fewer instructions than this one's: (compiler flags, what it reports).
