@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "ggml.h"
 #include "gguf_tiles.h"
@@ -67,6 +68,22 @@ constexpr bool Nibbled(int64_t type) { return type == kQ4_0 || type == kQ4_1 || 
 constexpr bool PackedScales(int64_t type) { return type == kQ4_K || type == kQ5_K; }
 // Formats whose weights have a term independent of the code (a minimum, or Q4_0's −8·d and Q5_0's −16·d).
 constexpr bool HasMin(int64_t type) { return type != kQ8_0 && type != kQ6_K; }
+
+// f(std::integral_constant<int64_t, type>{}) for a format the tiles take (Q8_0 for any other): a pass
+// compiled per format, picked at run time.
+template <typename F>
+auto ForType(int64_t type, F&& f) {
+  switch (type) {
+    case kQ4_0: return f(std::integral_constant<int64_t, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int64_t, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int64_t, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int64_t, kQ5_1>{});
+    case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    default: return f(std::integral_constant<int64_t, kQ8_0>{});
+  }
+}
 
 inline const uint8_t* TileBlock(const uint8_t* tiles, int64_t type, int64_t blocks, int64_t tile, int64_t block) {
   return tiles + (tile * blocks + block) * kTileRows * LayoutOf(type).block_bytes;

@@ -206,16 +206,7 @@ constexpr PassFn kPasses[kTokensPerPass + 1] = {
     TilePass<kType, 5>, TilePass<kType, 6>, TilePass<kType, 7>, TilePass<kType, 8>};
 
 const PassFn* PassesFor(int64_t type) {
-  switch (type) {
-    case kQ4_0: return kPasses<kQ4_0>;
-    case kQ4_1: return kPasses<kQ4_1>;
-    case kQ5_0: return kPasses<kQ5_0>;
-    case kQ5_1: return kPasses<kQ5_1>;
-    case kQ4_K: return kPasses<kQ4_K>;
-    case kQ5_K: return kPasses<kQ5_K>;
-    case kQ6_K: return kPasses<kQ6_K>;
-    default: return kPasses<kQ8_0>;
-  }
+  return ForType(type, [](auto format) { return kPasses<decltype(format)::value>; });
 }
 
 }  // namespace
