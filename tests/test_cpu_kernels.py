@@ -3,7 +3,7 @@ projection against XLA's ops, and the library built once."""
 
 import ctypes
 import dataclasses
-import subprocess
+import functools
 from pathlib import Path
 
 import jax
@@ -47,23 +47,14 @@ def test_kernel_matches_reference(name):
 def avx2_attention(tmp_path_factory):
     """The attention kernel built for a CPU with AVX2 and no AVX-512 (8-lane vectors, 8-key tiles), under an
     XLA target of its own; a machine with AVX-512 runs its 16-lane build everywhere else."""
-    if "avx2" not in cpu_kernels._cpu_flags().split():
-        pytest.skip("this CPU has no AVX2 to run the 8-lane attention build on")
-    folder = tmp_path_factory.mktemp("avx2")
-    source, obj, library = Path(cpu_kernels.__file__).parent / "paged_attention.cc", folder / "a.o", folder / "a.so"
-    compile_flags = [*cpu_kernels.COMPILE_FLAGS, "-mno-avx512f", f"-I{jax.ffi.include_dir()}"]
-    subprocess.run([cpu_kernels._compiler(), *compile_flags, "-c", str(source), "-o", str(obj)], check=True,
-                   capture_output=True)  # fmt: skip
-    subprocess.run([cpu_kernels._compiler(), *cpu_kernels.LINK_FLAGS, str(obj), "-o", str(library)], check=True)
+    if not cpu_kernels.cpu_has("avx2"):
+        pytest.skip(reason="this CPU has no AVX2 to run the 8-lane attention build on")
+    library = tmp_path_factory.mktemp("avx2") / "attention.so"
+    source = Path(cpu_kernels.__file__).parent / "paged_attention.cc"
+    cpu_kernels.compile_library(cpu_kernels._compiler(), [source], library, ("-mno-avx512f",))
     handler = ctypes.cdll.LoadLibrary(str(library)).JserveRaggedPagedAttention
     jax.ffi.register_ffi_target("jserve_attention_avx2", jax.ffi.pycapsule(handler), platform="cpu")
-
-    def attend(q, k_pages, v_pages, context_lens, page_tables, query_start_loc, *, scale, sliding_window, soft_cap):
-        call = jax.ffi.ffi_call("jserve_attention_avx2", jax.ShapeDtypeStruct(q.shape, jnp.float32))
-        return call(q, k_pages, v_pages, context_lens, page_tables, query_start_loc, scale=np.float32(scale),
-                    sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))  # fmt: skip
-
-    return attend
+    return functools.partial(cpu_kernels.ragged_paged_attention, target="jserve_attention_avx2")
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -5,7 +5,6 @@ covers the layouts' every field (gguf-py cannot quantize the K-quants, but it de
 """
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -160,19 +159,11 @@ def test_narrower_instruction_sets_compute_the_same(tmp_path, build):
     """The AVX2 pass (a build without AVX-512) and the scalar loops (a build without AVX2) give this CPU's
     kernel's products: the same digits and integer sums, then float steps (which may round differently)."""
     flags, reports = NARROWER_BUILDS[build]
-    if build == "avx2" and "avx2" not in cpu_kernels._cpu_flags().split():
-        pytest.skip("this CPU has no AVX2 to run the AVX2 pass on")
+    if build == "avx2" and not cpu_kernels.cpu_has("avx2"):
+        pytest.skip(reason="this CPU has no AVX2 to run the AVX2 pass on")
     library = tmp_path / f"{build}.so"
     sources = sorted(Path(cpu_kernels.__file__).parent.glob("gguf_tiles*.cc"))
-    compiler = cpu_kernels._compiler()
-    # Compiled and linked apart, as cpu_kernels.build does: linked with -ffast-math, the library would turn
-    # on flush-to-zero for this whole process when it loads.
-    objects = [tmp_path / f"{source.stem}.o" for source in sources]
-    for source, obj in zip(sources, objects, strict=True):
-        subprocess.run([compiler, *cpu_kernels.COMPILE_FLAGS, *flags, "-c", str(source), "-o", str(obj)],
-                       check=True, capture_output=True)  # fmt: skip
-    subprocess.run([compiler, *cpu_kernels.LINK_FLAGS, *map(str, objects), "-o", str(library)], check=True,
-                   capture_output=True)  # fmt: skip
+    cpu_kernels.compile_library(cpu_kernels._compiler(), sources, library, flags)
     built = ctypes.CDLL(str(library))
     built.JserveGgufTilesVectorized.restype = ctypes.c_char_p
     assert built.JserveGgufTilesVectorized() == reports

@@ -62,6 +62,11 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def cpu_has(feature: str) -> bool:
+    """Whether /proc/cpuinfo lists this feature flag (e.g. "avx2") for the CPU."""
+    return feature in _cpu_flags().split()
+
+
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
     for source in SOURCES + HEADERS:
@@ -82,12 +87,21 @@ def build() -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     log.info("Building jserve's CPU kernels with %s", compiler)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        built, objects = Path(tmp) / library.name, [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        for source, obj in zip(SOURCES, objects, strict=True):
-            _run([compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", str(obj)])
-        _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(built)])
+        built = Path(tmp) / library.name
+        compile_library(compiler, SOURCES, built)
         os.replace(built, library)  # atomic: concurrent builders each publish a whole library
     return library
+
+
+def compile_library(compiler: str, sources: list[Path], library: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    """`sources` compiled (with `extra_flags` after ours: the tests build for narrower instruction sets) and
+    linked into `library`, objects beside it. Compiled and linked apart: linked with -ffast-math, the library
+    would turn on flush-to-zero for the whole process when it loads."""
+    objects = [library.parent / f"{source.stem}.o" for source in sources]
+    for source, obj in zip(sources, objects, strict=True):
+        flags = (*COMPILE_FLAGS, *extra_flags, f"-I{jax.ffi.include_dir()}")
+        _run([compiler, *flags, "-c", str(source), "-o", str(obj)])
+    _run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(library)])
 
 
 def _run(command: list[str]) -> None:
@@ -133,11 +147,12 @@ def ragged_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    target: str = "jserve_ragged_paged_attention",
 ) -> jax.Array:
     """The attention contract's attend half (the pages already hold this step's K/V), for pages that
-    `supports` takes."""
+    `supports` takes. `target`: the XLA name of the build to call (the tests register narrower ones)."""
     load()
-    call = jax.ffi.ffi_call("jserve_ragged_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32),
         k_pages,
