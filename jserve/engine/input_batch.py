@@ -21,6 +21,13 @@ from jserve.engine.step import PenaltyUpdate
 NO_PAGES = np.zeros(0, np.int32)
 
 
+def padded(values: np.ndarray, length: int, dtype=None) -> np.ndarray:
+    """values followed by zeros (False), `length` long."""
+    out = np.zeros(length, dtype or values.dtype)
+    out[: len(values)] = values
+    return out
+
+
 class InputBatch:
     def __init__(self, num_slots: int, max_pages: int, page_size: int, stop_ids: frozenset[int]):
         self.page_size, self.stop_ids = page_size, tuple(stop_ids)
@@ -101,12 +108,6 @@ class InputBatch:
             bias_values[:n] = np.where(early[:, None], self.early_bias_values[slots], self.bias_values[slots])
         else:
             bias_ids, bias_values = no_bias
-        steps = np.zeros(num_seqs, np.int32)
-        steps[:n] = num_output
-        padded_slots = np.zeros(num_seqs, np.int32)
-        padded_slots[:n] = slots
-        rows_constrained = np.zeros(num_seqs, bool)
-        rows_constrained[:n] = constrained
         return SamplingBatch(
             temperature=column(self.temperature, "temperature"),
             top_k=column(self.top_k, "top_k"),
@@ -116,13 +117,13 @@ class InputBatch:
             presence_penalty=column(self.presence_penalty, "presence_penalty"),
             frequency_penalty=column(self.frequency_penalty, "frequency_penalty"),
             seeds=column(self.seed, "seeds"),
-            steps=steps,
-            slots=padded_slots,
+            steps=padded(num_output, num_seqs, np.int32),
+            slots=padded(slots, num_seqs, np.int32),
             bias_ids=bias_ids,
             bias_values=bias_values,
             wants_top_logprobs=column(self.wants_logprobs, "wants_top_logprobs"),
             token_bitmask=bitmask,
-            constrained=rows_constrained,
+            constrained=padded(constrained, num_seqs, bool),
         )
 
     def penalties(self, slots, first, positions: np.ndarray, lens, num_tokens: int, num_seqs: int) -> PenaltyUpdate:
@@ -139,8 +140,5 @@ class InputBatch:
         if tracked.any():
             is_output[:total] = positions[:total] >= self.prompt_len[slots][seq_of_token]
             recorded[:total] = tracked[seq_of_token]
-        padded_slots = np.zeros(num_seqs, np.int32)
-        padded_slots[:n] = slots
-        reset = np.zeros(num_seqs, bool)
-        reset[:n] = tracked & first
-        return PenaltyUpdate(token_slots, is_output, recorded, padded_slots, reset)
+        return PenaltyUpdate(token_slots, is_output, recorded, padded(slots, num_seqs, np.int32),
+                             padded(tracked & first, num_seqs, bool))  # fmt: skip

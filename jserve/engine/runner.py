@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
 from jserve.engine.deferred_sampling import DeferredSampler
-from jserve.engine.input_batch import InputBatch
+from jserve.engine.input_batch import InputBatch, padded
 from jserve.engine.progress import progress
 from jserve.engine.sampler import BIAS_WIDTH, SamplerOutput, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
@@ -38,13 +38,6 @@ log = logging.getLogger("jserve")
 COMPILE_WORKERS = 4  # at most; never more than the CPU cores
 MASK_TIMINGS_KEPT = 10_000
 NO_ROWS, NO_FLAGS = np.zeros(0, np.int32), np.zeros(0, bool)  # a step's verify or proposing rows, with none
-
-
-def padded(values: np.ndarray, length: int) -> np.ndarray:
-    """values followed by zeros, `length` long."""
-    out = np.zeros(length, values.dtype)
-    out[: len(values)] = values
-    return out
 
 
 class ModelRunner:
