@@ -9,9 +9,10 @@ and, where the engine reports them, the host time by phase. The engine thread ge
 and every other thread of the process (XLA's workers, which run the device's step) the others, as a GPU
 leaves the host its cores: XLA's CPU client runs a step on as many threads as there are cores, and on 2
 cores a step beside the engine thread would take CPU from it, counted as host time (`--no-pin` measures
-that instead). `--baseline REV` runs the
-same measurement against the jserve of git revision REV (checked out in a temporary worktree) in a child
-process just before, and prints the ratio, so both sides share one machine and one run.
+that instead). "step call ms" is the part of launch that is no jserve code: calling the compiled step alone
+(jit's handling of its ~270 input and ~80 output arrays, and XLA's launch), on an idle device.
+`--baseline REV` runs the same measurement against the jserve of git revision REV (checked out in a temporary
+worktree) in a child process just before, and prints the ratio, so both sides share one machine and one run.
 
     python benchmarks/host_overhead.py --model random:narrow-32l default --running 1 16 64 256 --baseline HEAD~1
 """
@@ -29,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 # A 32-layer Llama shape with tiny widths and SmolLM2's vocabulary (so its tokenizer decodes every id).
@@ -101,10 +103,26 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
                 engine.abort_request(request_id)
             while engine.has_unfinished_requests():
                 engine.step()
+        entry["dispatch_ms"] = dispatch_ms(engine.runner, n)
         results[n] = entry
     if pin:  # child processes (the baseline's) inherit the calling thread's cores
         os.sched_setaffinity(threading.get_native_id(), CORES)
     return results
+
+
+def dispatch_ms(runner, num_seqs: int, calls: int = 50) -> list[float]:
+    """What calling the compiled step alone costs the host (jit's argument handling and XLA's launch, no
+    jserve code), for the bucket a decode of `num_seqs` sequences uses: an all-padding step on an idle device,
+    so the call never waits for an earlier one. Call it between measurements, with no request running."""
+    bucket = runner.bucket_for(num_seqs)
+    step = runner.prepare([], bucket)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        runner._execute(bucket, step)
+        times.append(1000 * (time.perf_counter() - start))
+        jax.block_until_ready(runner.sampled)
+    return times
 
 
 def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: int, pin: bool) -> dict:
@@ -130,7 +148,7 @@ def median(values: list[float]) -> float:
 
 def report(model: str, current: dict, baseline: dict | None, rev: str | None) -> None:
     phases = sorted({p for entry in current.values() for p in entry["phases_ms"]})
-    head = ["running", "host ms/step", "wall ms/step", *(f"{p} ms" for p in phases)]
+    head = ["running", "host ms/step", "wall ms/step", *(f"{p} ms" for p in phases), "step call ms"]
     if baseline:
         head += [f"{rev} host ms/step", f"{rev} wall ms/step", "host ratio"]
     print(f"\n{model}\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
@@ -138,6 +156,7 @@ def report(model: str, current: dict, baseline: dict | None, rev: str | None) ->
         host = median(entry["host_ms"])
         cells = [str(n), f"{host:.2f}", f"{median(entry['wall_ms']):.2f}"]
         cells += [f"{median(entry['phases_ms'].get(p, [])):.2f}" for p in phases]
+        cells.append(f"{median(entry.get('dispatch_ms', [])):.2f}")
         if baseline:
             old = median(baseline[n]["host_ms"])
             cells += [f"{old:.2f}", f"{median(baseline[n]['wall_ms']):.2f}", f"{old / host:.2f}x"]

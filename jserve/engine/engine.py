@@ -13,7 +13,7 @@ import numpy as np
 from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.device_timeline import DeviceTimeline
-from jserve.engine.output_processor import OutputProcessor
+from jserve.engine.output_processor import FetchedSamples, OutputProcessor
 from jserve.engine.parent_request import ParentRequest
 from jserve.engine.progress import progress
 from jserve.engine.request import Request
@@ -43,17 +43,15 @@ class LaunchedStep:
     inputs: StepInput
     output: StepOutput
     deferred_rows: np.ndarray
+    speculates: bool  # a sampling row verifies drafts or proposes
+    constrained: bool  # a sampling row has a grammar
     deferred_output: SamplerOutput | None = None
 
     def blocks_next(self, defers_grammar: bool) -> bool:
         """The next step cannot be planned without this one's samples: a verification decides how many tokens
         a request gained, a draft model proposed, or a grammar needs one of them for its next mask (unless
         that row's sampling can be deferred)."""
-        pairs = zip(self.sequences, self.samples, strict=True)
-        return any(
-            sampled and (len(seq.drafts) or seq.proposes or (seq.request.grammar is not None and not defers_grammar))
-            for seq, sampled in pairs
-        )
+        return self.speculates or (self.constrained and not defers_grammar)
 
 
 class LLMEngine:
@@ -263,14 +261,19 @@ class LLMEngine:
             if self.config.debug_checks:
                 raise RuntimeError(message)
             log.warning(message)
+        speculates = constrained = False
+        advance, stats = self.scheduler.kv.advance, self.stats
         for row, (seq, sampled) in enumerate(zip(sequences, samples, strict=True)):
             request = seq.request
             if seq.start < request.num_prompt_tokens:
-                self.stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
-            self.scheduler.kv.advance(request, seq.num_tokens)
+                stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
+            advance(request, seq.num_tokens)
             if sampled:
                 self.outputs.launched(request, row)
-        return LaunchedStep(sequences, samples, inputs, output, np.flatnonzero(inputs.deferred[: len(sequences)]))
+                speculates = speculates or seq.proposes or len(seq.drafts) > 0
+                constrained = constrained or request.grammar is not None
+        deferred = np.flatnonzero(inputs.deferred[: len(sequences)])
+        return LaunchedStep(sequences, samples, inputs, output, deferred, speculates, constrained)
 
     def _dispatch(
         self, sequences: list[ScheduledSequence], changed: set[str]
@@ -307,9 +310,12 @@ class LLMEngine:
             (output.samples, output.verified if speculated else None, output.proposals if proposing else None,
              step.deferred_output)
         )  # fmt: skip
-        # A deferred row's token is the deferred call's sample (the step's own was drawn without its mask).
-        sources = {int(row): (deferred, d) for d, row in enumerate(step.deferred_rows)}
         waited = time.perf_counter() - start
+        samples = FetchedSamples(samples)
+        verified = FetchedSamples(verified) if speculated else None
+        # A deferred row's token is the deferred call's sample (the step's own was drawn without its mask).
+        deferred = FetchedSamples(deferred) if deferred is not None else None
+        sources = {int(row): (deferred, d) for d, row in enumerate(step.deferred_rows)}
         waited += self._record_prompt_scores(step)
         stats = self.stats
         now = time.monotonic()
@@ -356,13 +362,13 @@ class LLMEngine:
         step.deferred_output = self.runner.sample_deferred(step.inputs, step.deferred_rows, grammars)
 
     def _verified_tokens(
-        self, seq: ScheduledSequence, verified: SamplerOutput, first: int, samples: SamplerOutput, row: int
-    ) -> list[tuple[SamplerOutput, int]]:
+        self, seq: ScheduledSequence, verified: FetchedSamples, first: int, samples: FetchedSamples, row: int
+    ) -> list[tuple[FetchedSamples, int]]:
         """Where a speculating sequence's new tokens are: the samples at its drafts' positions as long as each
         equals its draft (the last one that differs replaces it), or after all of them its row's own sample.
         The rejected drafts' K/V stop counting as computed (the request's pages end with the accepted ones)."""
         drafts = seq.drafts
-        matched = verified.token_ids[first : first + len(drafts)] == drafts
+        matched = verified.out.token_ids[first : first + len(drafts)] == drafts
         accepted = int(np.argmin(matched)) if not matched.all() else len(drafts)
         if seq.request.is_finished:
             return []

@@ -35,6 +35,18 @@ class CompletionState:
     prompt_logprobs: list | None = None  # built once the whole prompt is scored
 
 
+class FetchedSamples:
+    """A fetched step's samples with their ids and logprobs as Python lists: converted once per step, since
+    reading one numpy element per row costs more than the whole conversion."""
+
+    __slots__ = ("out", "token_ids", "logprobs")
+
+    def __init__(self, out: SamplerOutput):
+        self.out = out
+        self.token_ids: list[int] = out.token_ids.tolist()
+        self.logprobs: list[float] = out.logprobs.tolist()
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int]):
         self.tokenizer = tokenizer
@@ -55,19 +67,19 @@ class OutputProcessor:
         request.num_pending += 1
         request.pending_row = row
 
-    def append(self, request: Request, samples: SamplerOutput, row: int) -> tuple[str, int | str | None] | None:
+    def append(self, request: Request, samples: FetchedSamples, row: int) -> tuple[str, int | str | None] | None:
         """Add row's token to the request: its oldest pending one, or one more its step gained by verifying
         drafts (the step launched with one pending); returns (finish_reason, stop_reason) if it ends the
         request."""
-        token = int(samples.token_ids[row])
+        token = samples.token_ids[row]
         if request.num_pending:
             request.num_pending -= 1
         request.append_token(token)
         if request.grammar is not None:
             request.grammar.accept(token)
-        request.cumulative_logprob += float(samples.logprobs[row])
+        request.cumulative_logprob += samples.logprobs[row]
         if request.params.logprobs is not None:
-            request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
+            request.logprobs.append(self._logprobs(token, samples.out, row, request.params.logprobs))
         state = self.states[request.request_id]
         start = time.perf_counter()
         delta = state.detokenizer.add([token])
