@@ -43,7 +43,8 @@ class LaunchedStep:
     inputs: StepInput
     output: StepOutput
     deferred_rows: np.ndarray
-    speculates: bool  # a sampling row verifies drafts or proposes
+    verifies: bool  # a row has drafts to verify
+    proposes: bool  # a sampling row proposes its next step's drafts
     constrained: bool  # a sampling row has a grammar
     deferred_output: SamplerOutput | None = None
 
@@ -51,7 +52,7 @@ class LaunchedStep:
         """The next step cannot be planned without this one's samples: a verification decides how many tokens
         a request gained, a draft model proposed, or a grammar needs one of them for its next mask (unless
         that row's sampling can be deferred)."""
-        return self.speculates or (self.constrained and not defers_grammar)
+        return self.verifies or self.proposes or (self.constrained and not defers_grammar)
 
 
 class LLMEngine:
@@ -261,19 +262,19 @@ class LLMEngine:
             if self.config.debug_checks:
                 raise RuntimeError(message)
             log.warning(message)
-        speculates = constrained = False
-        advance, stats = self.scheduler.kv.advance, self.stats
+        verifies = proposes = constrained = False
         for row, (seq, sampled) in enumerate(zip(sequences, samples, strict=True)):
             request = seq.request
             if seq.start < request.num_prompt_tokens:
-                stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
-            advance(request, seq.num_tokens)
+                self.stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
+            self.scheduler.kv.advance(request, seq.num_tokens)
+            verifies = verifies or len(seq.drafts) > 0  # (a row with drafts decodes, so it samples)
             if sampled:
                 self.outputs.launched(request, row)
-                speculates = speculates or seq.proposes or len(seq.drafts) > 0
+                proposes = proposes or seq.proposes
                 constrained = constrained or request.grammar is not None
         deferred = np.flatnonzero(inputs.deferred[: len(sequences)])
-        return LaunchedStep(sequences, samples, inputs, output, deferred, speculates, constrained)
+        return LaunchedStep(sequences, samples, inputs, output, deferred, verifies, proposes, constrained)
 
     def _dispatch(
         self, sequences: list[ScheduledSequence], changed: set[str]
@@ -303,23 +304,22 @@ class LLMEngine:
         """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
         self._sample_deferred(step)
         start = time.perf_counter()
-        speculated = any(len(seq.drafts) for seq in step.sequences)
         proposing = proposing_rows(step.sequences)
         output = step.output
         samples, verified, proposals, deferred = jax.device_get(
-            (output.samples, output.verified if speculated else None, output.proposals if proposing else None,
+            (output.samples, output.verified if step.verifies else None, output.proposals if proposing else None,
              step.deferred_output)
         )  # fmt: skip
         waited = time.perf_counter() - start
         samples = FetchedSamples(samples)
-        verified = FetchedSamples(verified) if speculated else None
+        verified = FetchedSamples(verified) if step.verifies else None
         # A deferred row's token is the deferred call's sample (the step's own was drawn without its mask).
         deferred = FetchedSamples(deferred) if deferred is not None else None
         sources = {int(row): (deferred, d) for d, row in enumerate(step.deferred_rows)}
         waited += self._record_prompt_scores(step)
         stats = self.stats
         now = time.monotonic()
-        verify_rows = verify_row_starts(step.sequences) if speculated else None
+        verify_rows = verify_row_starts(step.sequences) if step.verifies else None
         for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
             request = seq.request
             if len(seq.drafts):

@@ -79,7 +79,7 @@ class OutputProcessor:
             request.grammar.accept(token)
         request.cumulative_logprob += samples.logprobs[row]
         if request.params.logprobs is not None:
-            request.logprobs.append(self._logprobs(token, samples.out, row, request.params.logprobs))
+            request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
         state = self.states[request.request_id]
         start = time.perf_counter()
         delta = state.detokenizer.add([token])
@@ -180,11 +180,11 @@ class OutputProcessor:
             return "length", None
         return None
 
-    def _logprobs(self, token: int, samples: SamplerOutput, row: int, top_n: int) -> dict[int, Logprob]:
-        top_ids, top_lps = samples.top_ids[row], samples.top_logprobs[row]
+    def _logprobs(self, token: int, samples: FetchedSamples, row: int, top_n: int) -> dict[int, Logprob]:
+        top_ids, top_lps = samples.out.top_ids[row], samples.out.top_logprobs[row]
         ranks = np.flatnonzero(top_ids == token)
         rank = int(ranks[0]) + 1 if len(ranks) else None  # known when the token is among the top ones
-        return self._entry(token, float(samples.logprobs[row]), rank, top_ids, top_lps, top_n)
+        return self._entry(token, samples.logprobs[row], rank, top_ids, top_lps, top_n)
 
     def _entry(
         self, token: int, logprob: float, rank: int | None, top_ids: np.ndarray, top_lps: np.ndarray, top_n: int
