@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from jserve.engine.prompt_logprobs import PromptScores
-from jserve.engine.request import Request
+from jserve.engine.request import Request, RequestStatus
 from jserve.engine.sampler import SamplerOutput
 from jserve.outputs import CompletionOutput, Logprob
-from jserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jserve.tokenizer import IncrementalDetokenizer, Tokenizer, incremental_detokenizer
 
 
 @dataclass
@@ -24,12 +24,17 @@ class CompletionState:
     """What of a request's completion its outputs have carried, and what waits for the next one."""
 
     detokenizer: IncrementalDetokenizer
+    # The ids that end it (its stop_token_ids, and EOS unless ignore_eos), worked out once, which count
+    # from its stop_from-th token on (min_tokens).
+    stop_ids: frozenset[int]
+    stop_from: int
     max_stop_len: int = 0
     # Decoded text no output has carried yet: while the request runs, its last max_stop_len - 1 characters
     # stay here (they could still begin a stop string), so it holds that tail plus the text of the steps
     # since the last output.
     unsent: str = ""
     sent: list[str] = field(default_factory=list)  # the deltas carried so far, joined once it finishes
+    unsent_ids: list[int] = field(default_factory=list)  # output tokens no output has carried yet
     tokens_sent: int = 0  # output tokens (and logprob entries) carried so far
     final: CompletionOutput | None = None  # once its finished output is made: what later outputs repeat
     prompt_logprobs: list | None = None  # built once the whole prompt is scored
@@ -53,11 +58,15 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.states: dict[str, CompletionState] = {}
         self.detokenize_s = 0.0  # host time decoding text, for the engine's stats
+        tokenizer.byte_pieces()  # built now (a pass over the vocabulary), not on the first request
 
     def register(self, request: Request) -> None:
         params = request.params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        self.states[request.request_id] = CompletionState(detokenizer, max(map(len, params.stop), default=0))
+        detokenizer = incremental_detokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        self.states[request.request_id] = CompletionState(
+            detokenizer, stop_ids, request.num_prompt_tokens + params.min_tokens, max(map(len, params.stop), default=0)
+        )
 
     def forget(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
@@ -81,8 +90,9 @@ class OutputProcessor:
         if request.params.logprobs is not None:
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
         state = self.states[request.request_id]
+        state.unsent_ids.append(token)
         start = time.perf_counter()
-        delta = state.detokenizer.add([token])
+        delta = state.detokenizer.add(token)
         self.detokenize_s += time.perf_counter() - start
         state.unsent += delta
         finish = self._check_stop(request, token, state, len(delta))
@@ -125,32 +135,29 @@ class OutputProcessor:
         state = self.states[request.request_id]
         if state.final is not None:  # finished and output already: a sibling's progress asks again
             return state.final
-        finished = request.is_finished
-        held = 0 if finished else max(0, state.max_stop_len - 1)
-        cut = max(0, len(state.unsent) - held)
-        delta, state.unsent = state.unsent[:cut], state.unsent[cut:]
+        finished = request.status is RequestStatus.FINISHED
+        held = 0 if finished else state.max_stop_len - 1
+        if held > 0:
+            cut = max(0, len(state.unsent) - held)
+            delta, state.unsent = state.unsent[:cut], state.unsent[cut:]
+        else:
+            delta, state.unsent = state.unsent, ""
         if delta:
             state.sent.append(delta)
-        first, last = request.num_prompt_tokens + state.tokens_sent, request.num_tokens
         wants_logprobs = request.params.logprobs is not None
         delta_logprobs = request.logprobs[state.tokens_sent :] if wants_logprobs else None
-        state.tokens_sent = request.num_output_tokens
+        delta_ids, state.unsent_ids = state.unsent_ids, []
+        state.tokens_sent = request.num_tokens - request.num_prompt_tokens
         if finished:  # the whole completion, assembled once
             text, token_ids, logprobs = "".join(state.sent), request.output_token_ids, list(request.logprobs)
         else:
             text, token_ids, logprobs = "", [], []
+        # (positional: one output per request per step, and a keyword call costs about twice as much)
         out = CompletionOutput(
-            index=request.index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=request.cumulative_logprob if wants_logprobs else None,
-            logprobs=logprobs if wants_logprobs else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            delta=delta,
-            delta_token_ids=request.token_buffer[first:last].tolist(),
-            delta_logprobs=delta_logprobs,
-        )
+            request.index, text, token_ids, request.cumulative_logprob if wants_logprobs else None,
+            logprobs if wants_logprobs else None, request.finish_reason, request.stop_reason, delta, delta_ids,
+            delta_logprobs,
+        )  # fmt: skip
         if finished:
             state.final = replace(out, delta="", delta_token_ids=[], delta_logprobs=[] if wants_logprobs else None)
         return out
@@ -158,25 +165,21 @@ class OutputProcessor:
     def _check_stop(
         self, request: Request, token: int, state: CompletionState, delta_len: int
     ) -> tuple[str, int | str | None] | None:
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in self.eos_ids:
-                return "stop", None
-            if params.stop:
+        num_tokens = request.num_tokens
+        if num_tokens >= state.stop_from:
+            if token in state.stop_ids:
+                return "stop", token if token in request.params.stop_token_ids else None
+            if state.max_stop_len:
                 # Only the tail the last token could have completed needs searching, and it is all unsent.
                 tail_start = max(0, len(state.unsent) - delta_len - state.max_stop_len + 1)
-                for stop in params.stop:
+                for stop in request.params.stop:
                     at = state.unsent.find(stop, tail_start)
                     if at >= 0:
                         state.unsent = state.unsent[:at]
                         return "stop", stop
         if request.grammar is not None and request.grammar.terminated:  # the output is complete
             return "stop", None
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return "length", None
-        if request.num_tokens >= request.max_model_len:
+        if num_tokens >= request.max_len:  # max_tokens, or the context
             return "length", None
         return None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jserve.engine.output_processor import OutputProcessor
-from jserve.engine.request import Request
+from jserve.engine.request import Request, RequestStatus
 from jserve.outputs import RequestMetrics, RequestOutput
 
 
@@ -26,13 +26,15 @@ class ParentRequest:
         """The parent's output for this step. Its completions carry what changed since their last output, and
         each change is handed out once: every output the engine returns must reach its consumer."""
         children = self.children
-        finished = self.finished
         if len(children) == 1:  # the common case, without the folds over siblings
             child = children[0]
+            finished = child.status is RequestStatus.FINISHED
+            # (positional: one output per request per step, and a keyword call costs about twice as much)
             metrics = RequestMetrics(child.arrival_time, child.first_scheduled_time, child.first_token_time,
                                      child.finish_time if finished else None, child.num_preemptions)  # fmt: skip
             num_cached = child.num_cached_tokens
         else:
+            finished = self.finished
             scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
             first_tokens = [c.first_token_time for c in children if c.first_token_time is not None]
             finishes = [c.finish_time for c in children if c.finish_time is not None]
@@ -44,13 +46,8 @@ class ParentRequest:
                 num_preemptions=sum(c.num_preemptions for c in children),
             )
             num_cached = max(c.num_cached_tokens for c in children)
+        scores = processor.prompt_logprobs(children[0]) if children[0].params.prompt_logprobs is not None else None
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=processor.prompt_logprobs(children[0]),
-            outputs=[processor.completion(child) for child in children],
-            finished=finished,
-            num_cached_tokens=num_cached,
-            metrics=metrics,
-        )
+            self.request_id, self.prompt, self.prompt_token_ids, [processor.completion(child) for child in children],
+            finished, scores, num_cached, metrics,
+        )  # fmt: skip

@@ -69,6 +69,7 @@ class Request:
     # slicing is cheap; the prompt is written at construction.
     token_buffer: np.ndarray = field(init=False, repr=False)
     num_prompt_tokens: int = field(init=False)  # set with the prompt (read several times a step: not a property)
+    max_len: int = field(init=False)  # the length that ends it: the prompt plus max_tokens, or max_model_len
     num_tokens: int = field(init=False)  # OutputProcessor: tokens whose ids the host knows
     # OutputProcessor, on the engine's word (OutputProcessor.launched) for async scheduling: tokens sampled
     # by launched steps whose ids the host has not fetched yet (0-2), and the row of the latest launched
@@ -89,19 +90,15 @@ class Request:
         self.token_buffer = np.zeros(self.max_model_len, np.int32)
         self.num_prompt_tokens = self.num_tokens = len(self.prompt_token_ids)
         self.token_buffer[: self.num_prompt_tokens] = self.prompt_token_ids
+        max_tokens = self.params.max_tokens
+        self.max_len = (
+            self.max_model_len if max_tokens is None else min(self.max_model_len, self.num_prompt_tokens + max_tokens)
+        )
 
     @property
     def seq_len(self) -> int:
         """Tokens in the sequence, counting those sampled but not yet fetched: what the scheduler plans with."""
         return self.num_tokens + self.num_pending
-
-    @property
-    def reached_max_len(self) -> bool:
-        """Its pending tokens already end it by length: scheduling it again would compute a token past the end."""
-        seq_len, max_tokens = self.seq_len, self.params.max_tokens
-        if seq_len >= self.max_model_len:
-            return True
-        return max_tokens is not None and seq_len - self.num_prompt_tokens >= max_tokens
 
     @property
     def num_output_tokens(self) -> int:

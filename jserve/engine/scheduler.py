@@ -132,10 +132,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.reached_max_len:  # its last token is still in flight; it finishes when that is fetched
+            seq_len = request.seq_len
+            if seq_len >= request.max_len:  # its last token is still in flight; it finishes when that is fetched
                 i += 1
                 continue
-            n = min(request.seq_len - request.num_computed_tokens, budget)
+            n = min(seq_len - request.num_computed_tokens, budget)
             drafts = self._extra_tokens(request, budget - n) if speculating else NO_DRAFTS
             if len(drafts) and not self.kv.reserve(request, request.num_computed_tokens + n + len(drafts)):
                 drafts = NO_DRAFTS  # pages are short: no speculating

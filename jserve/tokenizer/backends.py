@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from jserve.errors import ModelLoadError
-from jserve.tokenizer.token_bytes import byte_level_bytes, metaspace_bytes, special_bytes
+from jserve.tokenizer.token_bytes import BYTE_LEVEL_CHARS, byte_level_bytes, metaspace_bytes, special_bytes
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -39,6 +39,10 @@ class Backend(Protocol):
 
     def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
         """`decode` for one setting, taking a list, with as little in between as the engine allows."""
+
+    def byte_pieces(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """The bytes each id adds to a decoded text, where decoding is joining them and reading the result as
+        UTF-8 (invalid bytes replaced) whatever the neighbours; None for tokenizers whose decoding is not."""
 
     def id_to_token(self, token_id: int) -> str | None: ...
 
@@ -78,6 +82,34 @@ class TokenizersBackend:
 
     def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
         return functools.partial(self._model.decode, skip_special_tokens=skip_special_tokens)
+
+    def byte_pieces(self, skip_special_tokens: bool) -> list[bytes] | None:
+        # Byte-level BPE's decoder is exactly that join. Added tokens decode to their text: taken from a
+        # decode of each alone, which must be whole characters (else the join might not match).
+        vocabulary = self._vocabulary_bytes
+        if vocabulary is None:
+            return None
+        added = {i: self._model.decode([i], skip_special_tokens=skip_special_tokens)
+                 for i in self._model.get_added_tokens_decoder()}  # fmt: skip
+        if any("\ufffd" in text for text in added.values()):
+            return None
+        pieces = list(vocabulary)
+        for i, text in added.items():
+            pieces[i] = text.encode("utf-8")
+        return pieces
+
+    @functools.cached_property
+    def _vocabulary_bytes(self) -> list[bytes] | None:
+        """The bytes of the ordinary (not added) vocabulary, where the decoder is byte-level BPE's alone."""
+        decoder = json.loads(self._model.decoder.__getstate__()) if self._model.decoder is not None else {}
+        if {d.get("type") for d in decoder.get("decoders", [decoder])} != {"ByteLevel"}:
+            return None
+        pieces = [b""] * self.vocab_size
+        for piece, i in self._model.get_vocab(with_added_tokens=False).items():
+            if not BYTE_LEVEL_CHARS.issuperset(piece):  # not a byte-level piece: leave it to decode
+                return None
+            pieces[i] = byte_level_bytes(piece)
+        return pieces
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._model.id_to_token(token_id)
@@ -178,6 +210,9 @@ class SentencePieceBackend:
 
     def decoder(self, skip_special_tokens: bool) -> Callable[[list[int]], str]:
         return functools.partial(self.decode, skip_special_tokens=skip_special_tokens)
+
+    def byte_pieces(self, skip_special_tokens: bool) -> None:
+        return None  # a run of pieces drops its leading space, and ByteFallback replaces bad bytes one by one
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         parts: list[str] = []

@@ -1,13 +1,17 @@
 """Turning a growing list of generated ids into streamed text deltas.
 
-Decoding one token at a time is wrong: a token may hold half of a multi-byte
-character, and a SentencePiece token decodes differently at the start of a
-text (its leading space is dropped). So each step decodes a short window of
-recent tokens twice, with and without the new ones, and emits the difference
-once it no longer ends in a half-finished character.
+Decoding one token at a time is wrong in general: a token may hold half of a multi-byte character, and a
+SentencePiece token decodes differently at the start of a text (its leading space is dropped). Byte-level
+BPE is the exception that makes it easy: its text is its tokens' bytes joined, so `ByteStream` appends each
+token's bytes to an incremental UTF-8 decoder. Other tokenizers get `DecodeWindow`, which decodes a short
+window of recent tokens twice, with and without the new ones, and emits the difference once it no longer
+ends in a half-finished character. Both hold back an unfinished character until it completes.
 """
 
-from collections.abc import Iterable
+from __future__ import annotations
+
+import codecs
+from typing import Protocol
 
 from jserve.tokenizer.tokenizer import Tokenizer
 
@@ -16,13 +20,44 @@ _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHARACTER = "\ufffd"
 
 
-class IncrementalDetokenizer:
-    """Streams the text of generated ids.
+class IncrementalDetokenizer(Protocol):
+    """Streams the text of generated ids: the deltas of `add` followed by `flush` concatenate to
+    `tokenizer.decode(generated_ids)` (with a prompt, to the generated text as it reads after that prompt)."""
 
-    The deltas of `add` followed by `flush` concatenate to
-    `tokenizer.decode(generated_ids)` (with a prompt, to the generated text as
-    it reads after that prompt).
-    """
+    def add(self, token_id: int) -> str:
+        """The text that `token_id` completes; may be empty while a character is unfinished."""
+
+    def flush(self) -> str:
+        """Whatever is still held back; call once the sequence has ended."""
+
+
+def incremental_detokenizer(
+    tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+) -> IncrementalDetokenizer:
+    """A ByteStream where the tokenizer's decoding is joining bytes, else a DecodeWindow."""
+    pieces = tokenizer.byte_pieces(skip_special_tokens)
+    if pieces is not None:
+        return ByteStream(pieces)
+    return DecodeWindow(tokenizer, prompt_ids, skip_special_tokens)
+
+
+class ByteStream:
+    """Byte-level BPE: each id's bytes into an incremental UTF-8 decoder (no left context needed). Ids past
+    the tokenizer's vocabulary (models pad theirs) have no text, as in `decode`."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self._pieces, self._size = pieces, len(pieces)
+        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode  # called once a token: bound once
+
+    def add(self, token_id: int) -> str:
+        return self._decode(self._pieces[token_id] if token_id < self._size else b"")
+
+    def flush(self) -> str:
+        return self._decode(b"", final=True)
+
+
+class DecodeWindow:
+    """Any tokenizer: re-decodes a window of recent ids (the first ones taking the prompt's last few)."""
 
     def __init__(
         self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
@@ -34,16 +69,14 @@ class IncrementalDetokenizer:
         self._window_start = 0
         self._emitted_end = len(self._ids)
 
-    def add(self, new_ids: Iterable[int]) -> str:
-        """The text that `new_ids` complete; may be empty while a character is unfinished."""
-        self._ids.extend(new_ids)
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
         emitted, text = self._pending_text()
         if len(text) <= len(emitted) or text.endswith(_REPLACEMENT_CHARACTER):
             return ""
         return self._advance(emitted, text)
 
     def flush(self) -> str:
-        """Whatever is still held back; call once the sequence has ended."""
         emitted, text = self._pending_text()
         return self._advance(emitted, text)
 

@@ -31,13 +31,16 @@ def _byte_spelling() -> dict[int, str]:
 
 BYTE_SPELLING = _byte_spelling()  # byte -> its character in byte-level BPE pieces
 _BYTE_OF = {char: byte for byte, char in BYTE_SPELLING.items()}
+BYTE_LEVEL_CHARS = frozenset(_BYTE_OF)  # the characters byte-level pieces are spelled with
+
+
+_TO_LATIN1 = str.maketrans({char: chr(byte) for char, byte in _BYTE_OF.items()})
 
 
 def byte_level_bytes(piece: str) -> bytes:
-    try:
-        return bytes(_BYTE_OF[c] for c in piece)
-    except KeyError:  # not a byte-level piece (e.g. an added token written as plain text)
-        return piece.encode("utf-8")
+    if BYTE_LEVEL_CHARS.issuperset(piece):
+        return piece.translate(_TO_LATIN1).encode("latin-1")  # each character one byte
+    return piece.encode("utf-8")  # not a byte-level piece (e.g. an added token written as plain text)
 
 
 def metaspace_bytes(piece: str) -> bytes:
