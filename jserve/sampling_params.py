@@ -94,6 +94,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def stop_ids(self, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The ids that end a completion: its stop_token_ids, and the model's EOS ids unless ignore_eos."""
+        return (*self.stop_token_ids, *(() if self.ignore_eos else eos_ids))
+
     @property
     def uses_penalties(self) -> bool:
         """Repetition / presence / frequency penalties: they need the request's whole history."""

@@ -68,7 +68,7 @@ class InputBatch:
         self.uses_penalties[slot] = params.uses_penalties
         self.has_grammar[slot] = request.grammar is not None
         self.scores_prompt[slot] = params.prompt_logprobs is not None
-        suppressed = tuple(params.stop_token_ids or ()) + (() if params.ignore_eos else self.stop_ids)
+        suppressed = params.stop_ids(self.stop_ids)
         plain, early = bias_entries(params), bias_entries(params, suppressed if params.min_tokens else ())
         self.has_bias[slot] = bool(plain) or bool(early)
         for ids, values, entries in ((self.bias_ids, self.bias_values, plain),

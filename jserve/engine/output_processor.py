@@ -55,7 +55,7 @@ class FetchedSamples:
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, eos_ids: frozenset[int]):
         self.tokenizer = tokenizer
-        self.eos_ids = eos_ids
+        self.eos_ids = tuple(eos_ids)
         self.states: dict[str, CompletionState] = {}
         self.detokenize_s = 0.0  # host time decoding text, for the engine's stats
         tokenizer.byte_pieces()  # built now (a pass over the vocabulary), not on the first request
@@ -63,10 +63,10 @@ class OutputProcessor:
     def register(self, request: Request) -> None:
         params = request.params
         detokenizer = incremental_detokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         self.states[request.request_id] = CompletionState(
-            detokenizer, stop_ids, request.num_prompt_tokens + params.min_tokens, max(map(len, params.stop), default=0)
-        )
+            detokenizer, frozenset(params.stop_ids(self.eos_ids)), request.num_prompt_tokens + params.min_tokens,
+            max(map(len, params.stop), default=0),
+        )  # fmt: skip
 
     def forget(self, request: Request) -> None:
         self.states.pop(request.request_id, None)
@@ -147,7 +147,7 @@ class OutputProcessor:
         wants_logprobs = request.params.logprobs is not None
         delta_logprobs = request.logprobs[state.tokens_sent :] if wants_logprobs else None
         delta_ids, state.unsent_ids = state.unsent_ids, []
-        state.tokens_sent = request.num_tokens - request.num_prompt_tokens
+        state.tokens_sent = request.num_output_tokens
         if finished:  # the whole completion, assembled once
             text, token_ids, logprobs = "".join(state.sent), request.output_token_ids, list(request.logprobs)
         else:

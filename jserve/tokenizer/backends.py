@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
 from jserve.errors import ModelLoadError
-from jserve.tokenizer.token_bytes import BYTE_LEVEL_CHARS, byte_level_bytes, metaspace_bytes, special_bytes
+from jserve.tokenizer.token_bytes import byte_level_bytes, byte_level_piece, metaspace_bytes, special_bytes
 
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
@@ -84,32 +84,32 @@ class TokenizersBackend:
         return functools.partial(self._model.decode, skip_special_tokens=skip_special_tokens)
 
     def byte_pieces(self, skip_special_tokens: bool) -> list[bytes] | None:
-        # Byte-level BPE's decoder is exactly that join. Added tokens decode to their text: taken from a
-        # decode of each alone, which must be whole characters (else the join might not match).
-        vocabulary = self._vocabulary_bytes
-        if vocabulary is None:
-            return None
-        added = {i: self._model.decode([i], skip_special_tokens=skip_special_tokens)
-                 for i in self._model.get_added_tokens_decoder()}  # fmt: skip
-        if any("\ufffd" in text for text in added.values()):
-            return None
-        pieces = list(vocabulary)
-        for i, text in added.items():
-            pieces[i] = text.encode("utf-8")
-        return pieces
+        return self._byte_pieces[skip_special_tokens]
 
     @functools.cached_property
-    def _vocabulary_bytes(self) -> list[bytes] | None:
-        """The bytes of the ordinary (not added) vocabulary, where the decoder is byte-level BPE's alone."""
+    def _byte_pieces(self) -> dict[bool, list[bytes] | None]:
+        """byte_pieces for both settings, from one pass over the vocabulary. Byte-level BPE's decoder is exactly
+        the join; added tokens decode to their text, taken from a decode of each alone, which must be whole
+        characters (else the join might not match what they decode to beside others)."""
         decoder = json.loads(self._model.decoder.__getstate__()) if self._model.decoder is not None else {}
         if {d.get("type") for d in decoder.get("decoders", [decoder])} != {"ByteLevel"}:
-            return None
-        pieces = [b""] * self.vocab_size
+            return {True: None, False: None}
+        vocabulary = [b""] * self.vocab_size
         for piece, i in self._model.get_vocab(with_added_tokens=False).items():
-            if not BYTE_LEVEL_CHARS.issuperset(piece):  # not a byte-level piece: leave it to decode
-                return None
-            pieces[i] = byte_level_bytes(piece)
-        return pieces
+            spelled = byte_level_piece(piece)
+            if spelled is None:  # not a byte-level piece: leave it to decode
+                return {True: None, False: None}
+            vocabulary[i] = spelled
+        tables: dict[bool, list[bytes] | None] = {True: None, False: None}
+        for skip in tables:
+            added = {
+                i: self._model.decode([i], skip_special_tokens=skip) for i in self._model.get_added_tokens_decoder()
+            }
+            if not any("\ufffd" in text for text in added.values()):
+                tables[skip] = list(vocabulary)
+                for i, text in added.items():
+                    tables[skip][i] = text.encode("utf-8")
+        return tables
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._model.id_to_token(token_id)

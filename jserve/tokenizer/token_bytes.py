@@ -32,15 +32,19 @@ def _byte_spelling() -> dict[int, str]:
 BYTE_SPELLING = _byte_spelling()  # byte -> its character in byte-level BPE pieces
 _BYTE_OF = {char: byte for byte, char in BYTE_SPELLING.items()}
 BYTE_LEVEL_CHARS = frozenset(_BYTE_OF)  # the characters byte-level pieces are spelled with
-
-
 _TO_LATIN1 = str.maketrans({char: chr(byte) for char, byte in _BYTE_OF.items()})
 
 
+def byte_level_piece(piece: str) -> bytes | None:
+    """A byte-level piece's bytes; None if it is not spelled with byte-level characters."""
+    if not BYTE_LEVEL_CHARS.issuperset(piece):
+        return None
+    return piece.translate(_TO_LATIN1).encode("latin-1")  # each character one byte
+
+
 def byte_level_bytes(piece: str) -> bytes:
-    if BYTE_LEVEL_CHARS.issuperset(piece):
-        return piece.translate(_TO_LATIN1).encode("latin-1")  # each character one byte
-    return piece.encode("utf-8")  # not a byte-level piece (e.g. an added token written as plain text)
+    spelled = byte_level_piece(piece)
+    return spelled if spelled is not None else piece.encode("utf-8")  # e.g. an added token written as text
 
 
 def metaspace_bytes(piece: str) -> bytes:

@@ -65,7 +65,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self._add_bos_token = add_bos_token
         self._add_eos_token = add_eos_token
-        self._byte_pieces: dict[bool, list[bytes] | None] = {}  # by skip_special_tokens, made on first use
         if add_bos_token is not None or add_eos_token is not None:
             backend.surround_with(
                 [self.bos_token_id] if add_bos_token and self.bos_token_id is not None else [],
@@ -137,10 +136,8 @@ class Tokenizer:
     def byte_pieces(self, skip_special_tokens: bool = True) -> list[bytes] | None:
         """The bytes each id adds to a decoded text (empty for a skipped special token), when decoding is
         joining them and reading the result as UTF-8, as byte-level BPE's is; None for other tokenizers.
-        Built once per setting (a pass over the vocabulary)."""
-        if skip_special_tokens not in self._byte_pieces:
-            self._byte_pieces[skip_special_tokens] = self._backend.byte_pieces(skip_special_tokens)
-        return self._byte_pieces[skip_special_tokens]
+        Built once, on first use (a pass over the vocabulary)."""
+        return self._backend.byte_pieces(skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._backend.id_to_token(i) for i in ids]
