@@ -16,7 +16,7 @@ from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.output_processor import FetchedSamples, OutputProcessor
 from jserve.engine.parent_request import ParentRequest
 from jserve.engine.progress import progress
-from jserve.engine.request import Request
+from jserve.engine.request import Request, RequestStatus
 from jserve.engine.runner import ModelRunner
 from jserve.engine.sampler import SamplerOutput
 from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
@@ -255,7 +255,6 @@ class LLMEngine:
         if launched is None:
             return None
         output, inputs = launched
-        samples = [seq.samples for seq in sequences]
         self.timeline.launched(time.perf_counter(), output.samples.token_ids, self._busy)
         if compile_count() != before:
             message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
@@ -263,14 +262,17 @@ class LLMEngine:
                 raise RuntimeError(message)
             log.warning(message)
         verifies = proposes = constrained = False
-        for row, (seq, sampled) in enumerate(zip(sequences, samples, strict=True)):
+        samples, advance, mark_launched = [], self.scheduler.kv.advance, self.outputs.launched
+        for row, seq in enumerate(sequences):
             request = seq.request
+            sampled = seq.samples  # (before the request advances)
+            samples.append(sampled)
             if seq.start < request.num_prompt_tokens:
                 self.stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
-            self.scheduler.kv.advance(request, seq.num_tokens)
+            advance(request, seq.num_tokens)
             verifies = verifies or len(seq.drafts) > 0  # (a row with drafts decodes, so it samples)
             if sampled:
-                self.outputs.launched(request, row)
+                mark_launched(request, row)
                 proposes = proposes or seq.proposes
                 constrained = constrained or request.grammar is not None
         deferred = np.flatnonzero(inputs.deferred[: len(sequences)])
@@ -304,7 +306,7 @@ class LLMEngine:
         """Fetch a launched step's samples and hand each to its request; returns the seconds spent waiting."""
         self._sample_deferred(step)
         start = time.perf_counter()
-        proposing = proposing_rows(step.sequences)
+        proposing = proposing_rows(step.sequences) if step.proposes else {}
         output = step.output
         samples, verified, proposals, deferred = jax.device_get(
             (output.samples, output.verified if step.verifies else None, output.proposals if proposing else None,
@@ -320,11 +322,12 @@ class LLMEngine:
         stats = self.stats
         now = time.monotonic()
         verify_rows = verify_row_starts(step.sequences) if step.verifies else None
+        append, finished, generated = self.outputs.append, RequestStatus.FINISHED, 0
         for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
             request = seq.request
             if len(seq.drafts):
                 tokens = self._verified_tokens(seq, verified, int(verify_rows[row]), samples, row)
-            if not sampled or request.is_finished:  # finished by the step before: this token is surplus
+            if not sampled or request.status is finished:  # finished by the step before: this token is surplus
                 continue
             if request.stream:
                 changed.add(request.parent_id)
@@ -333,8 +336,8 @@ class LLMEngine:
             finish = None
             try:
                 for source, source_row in tokens if len(seq.drafts) else (sources.get(row, (samples, row)),):
-                    stats.generated_tokens += 1
-                    if finish := self.outputs.append(request, source, source_row):
+                    generated += 1
+                    if finish := append(request, source, source_row):
                         break
             except Exception as error:  # one request's failure must not take down the others
                 self._fail(request, error, changed)
@@ -344,6 +347,7 @@ class LLMEngine:
                 changed.add(request.parent_id)
             elif row in proposing:
                 self.speculation.proposed(request, proposals[proposing[row]])
+        stats.generated_tokens += generated
         stats.steps += 1
         scheduler = self.scheduler
         running = len(scheduler.running)

@@ -7,8 +7,8 @@ Contract: the OutputProcessor is the only writer of a request's sampled tokens, 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
+from time import perf_counter
 
 import numpy as np
 
@@ -91,9 +91,9 @@ class OutputProcessor:
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
         state = self.states[request.request_id]
         state.unsent_ids.append(token)
-        start = time.perf_counter()
+        start = perf_counter()
         delta = state.detokenizer.add(token)
-        self.detokenize_s += time.perf_counter() - start
+        self.detokenize_s += perf_counter() - start
         state.unsent += delta
         finish = self._check_stop(request, token, state, len(delta))
         if finish is not None and not isinstance(finish[1], str):

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
 from jserve.engine.deferred_sampling import DeferredSampler
-from jserve.engine.input_batch import InputBatch, padded
+from jserve.engine.input_batch import HAS_GRAMMAR, PROMPT_LEN, SCORES_PROMPT, InputBatch, padded
 from jserve.engine.progress import progress
 from jserve.engine.sampler import BIAS_WIDTH, SamplerOutput, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
@@ -257,22 +257,28 @@ class ModelRunner:
         num_seqs = cfg.seq_bucket(bucket)
         if len(sequences) > num_seqs:
             raise ValueError(f"{len(sequences)} sequences exceed the batch of {num_seqs}")
-        numbers, chunks = [], []
-        for s in sequences:
-            request, slot = s.request, s.request.slot
-            if batch.owner[slot] != request.admit_index:
+        numbers, chunks = [], []  # (numbers: 9 per sequence, flat, which numpy reads faster than tuples)
+        owner, pages = batch.owner, batch.pages
+        for s in sequences:  # (ScheduledSequence.samples and .token_ids inlined: this runs per sequence per step)
+            request = s.request
+            slot, start, drafts = request.slot, s.start, s.drafts
+            if owner[slot] != request.admit_index:
                 batch.join(slot, request)
-            if batch.pages[slot] is not request.pages:
+            if pages[slot] is not request.pages:
                 batch.set_pages(slot, request.pages)
-            samples = s.samples
+            seq_len, end = request.num_tokens + request.num_pending, start + s.num_tokens - len(drafts)
+            samples = end == seq_len
             pending = request.pending_row if request.num_pending and samples else -1  # its own last token
-            numbers.append((slot, s.start, s.num_tokens, len(s.drafts), pending, request.seq_len, samples, s.first,
-                            s.proposes))  # fmt: skip
-            chunks.append(s.token_ids)
+            numbers += (slot, start, s.num_tokens, len(drafts), pending, seq_len, samples, s.first, s.proposes)
+            chunks.append(np.concatenate([request.token_buffer[start:end], drafts]) if len(drafts) else
+                          request.token_buffer[start:end])  # fmt: skip
         columns = np.array(numbers, np.int32).reshape(len(sequences), 9).T
         slots, starts, lens, num_drafts, pending, seq_lens, samples, first, proposes = columns
         token_ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
-        model = batch.model_input(slots, starts, lens, token_ids, bucket, num_seqs)
+        rows = batch.rows(slots, num_seqs)
+        facts = batch.facts[slots]
+        padded_slots = padded(slots, num_seqs)
+        model = batch.model_input(rows, starts, lens, token_ids, bucket)
         ends = np.cumsum(lens) - 1
         # A chunk that ends in a token still in flight takes it from the previous step's samples (drafts
         # follow that token).
@@ -280,31 +286,35 @@ class ModelRunner:
         in_flight = pending >= 0
         pending_rows[(ends - num_drafts)[in_flight]] = pending[in_flight]
         # pending tokens count (they exist on device), and drafts: the step samples after them
-        num_output = seq_lens - batch.prompt_len[slots] + num_drafts
-        constrained = batch.has_grammar[slots] & (samples == 1)
-        # A grammar row whose previous token is in flight gets its mask after launch (not a proposing one: the
-        # proposer proposes after the row's sample).
-        deferred = constrained & in_flight & (proposes == 0)
-        if deferred.any() and not self.defers_grammar:
-            deferred[:] = False
-        constrained &= ~deferred
+        num_output = seq_lens - facts[:, PROMPT_LEN] + num_drafts
+        constrained = (facts[:, HAS_GRAMMAR] != 0) & (samples == 1)
+        if constrained.any():
+            # A grammar row whose previous token is in flight gets its mask after launch (not a proposing one:
+            # the proposer proposes after the row's sample).
+            deferred = constrained & in_flight & (proposes == 0) if self.defers_grammar else np.zeros_like(in_flight)
+            constrained &= ~deferred
+        else:
+            deferred = constrained
         num_verify = cfg.verify_rows(bucket)
         bitmask, verify_bitmask = self._token_bitmasks(sequences, constrained, num_seqs, num_verify)
         return StepInput(
             model=model,
-            sampling=batch.sampling(slots, num_output, constrained, num_seqs, bitmask, self._no_bias[num_seqs]),
-            penalties=batch.penalties(slots, first == 1, model.attention.positions, lens, bucket, num_seqs),
+            sampling=batch.sampling(
+                rows, facts, padded_slots, num_output, constrained, bitmask, self._no_bias[num_seqs]
+            ),  # fmt: skip
+            penalties=batch.penalties(padded_slots, facts, first == 1, model.attention.positions, lens, bucket),
             pending_rows=pending_rows,
-            prompt_targets=self._prompt_targets(sequences, slots, ends - lens + 1, bucket),
+            prompt_targets=self._prompt_targets(sequences, facts, ends - lens + 1, bucket),
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
             proposing=self._proposing_rows(sequences, cfg.proposing_rows(bucket)),
             deferred=padded(deferred, num_seqs),
         )
 
-    def _prompt_targets(self, sequences: list[ScheduledSequence], slots, starts, bucket: int) -> np.ndarray:
+    @staticmethod
+    def _prompt_targets(sequences: list[ScheduledSequence], facts, starts, bucket: int) -> np.ndarray:
         """A chunk of a prompt being scored scores each of its tokens' successor in the prompt."""
         targets = np.full(bucket, -1, np.int32)
-        for i in np.flatnonzero(self.batch.scores_prompt[slots]):
+        for i in np.flatnonzero(facts[:, SCORES_PROMPT]):
             s, start = sequences[i], starts[i]
             request = s.request
             stop = min(s.start + s.num_tokens, request.num_prompt_tokens - 1)  # positions with a next token

@@ -129,19 +129,20 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
         speculating = self.speculation is not None and self.speculation.active(len(self.running))
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        i, reserve, running = 0, self.kv.reserve, self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
             seq_len = request.seq_len
             if seq_len >= request.max_len:  # its last token is still in flight; it finishes when that is fetched
-                i += 1
                 continue
-            n = min(seq_len - request.num_computed_tokens, budget)
+            computed = request.num_computed_tokens
+            n = min(seq_len - computed, budget)
             drafts = self._extra_tokens(request, budget - n) if speculating else NO_DRAFTS
-            if len(drafts) and not self.kv.reserve(request, request.num_computed_tokens + n + len(drafts)):
+            if len(drafts) and not reserve(request, computed + n + len(drafts)):
                 drafts = NO_DRAFTS  # pages are short: no speculating
-            while not self.kv.reserve(request, request.num_computed_tokens + n):
-                victim = self.running[-1]
+            while not reserve(request, computed + n):
+                victim = running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -149,10 +150,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break
             proposes = speculating and self._proposes(request, n, len(drafts))
-            scheduled.append(ScheduledSequence(request, request.num_computed_tokens, n + len(drafts), drafts=drafts,
-                                               proposes=proposes))  # fmt: skip
+            # (positional: one per running request per step)
+            scheduled.append(ScheduledSequence(request, computed, n + len(drafts), False, drafts, proposes))
             budget -= n + len(drafts)
-            i += 1
 
         if self.speculation is not None:  # drafts only where they pay; the budget they free goes to admissions
             planned = self.speculation.plan(scheduled)
