@@ -384,8 +384,8 @@ class LLMEngine:
     def _record_prompt_scores(self, step: LaunchedStep) -> float:
         """Hand the step's prompt scores to the requests that score their prompt (fetched only if there are
         any); returns the seconds spent waiting for them."""
-        if not any(seq.request.params.prompt_logprobs is not None for seq in step.sequences):
-            return 0.0  # the common case: no offsets to work out, nothing to fetch
+        if not (step.inputs.prompt_targets >= 0).any():
+            return 0.0  # the common case: the step scores no prompt token, so nothing to fetch or hand out
         offsets = np.cumsum([0] + [seq.num_tokens for seq in step.sequences])[:-1]
         scored = [(offset, seq) for offset, seq in zip(offsets, step.sequences, strict=True)
                   if seq.request.params.prompt_logprobs is not None and not seq.request.is_finished]  # fmt: skip

@@ -105,7 +105,7 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.running) + sum(not r.is_finished for r in self.waiting)
+        return len(self.running) + len(self.waiting)
 
     # KV usage, as the engine's log line and the server's metrics read it.
 
@@ -187,7 +187,6 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         if not self.waiting:
             return
-        self.waiting = [r for r in self.waiting if not r.is_finished]  # drop requests aborted while waiting
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         for request in self._admission_order():
             if budget <= 0 or not self.slots.num_free:
@@ -259,6 +258,8 @@ class Scheduler:
             self.speculation.forget(request)
         if request.status is RequestStatus.RUNNING:
             self._release(request)
+        else:  # waiting (aborted, or failed before it ran)
+            self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason, stop_reason
         request.finish_time = time.monotonic()
