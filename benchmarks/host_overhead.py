@@ -13,6 +13,8 @@ that instead). "step call ms" is the part of launch that is no jserve code: call
 (jit's handling of its ~270 input and ~80 output arrays, and XLA's launch), on an idle device.
 `--baseline REV` runs the same measurement against the jserve of git revision REV (checked out in a temporary
 worktree) in a child process just before, and prints the ratio, so both sides share one machine and one run.
+`--rounds K` alternates the two sides K times (baseline, this, baseline, this, ...) and prints each round's
+ratio and the median: on a noisy machine a drift between two back-to-back runs otherwise reads as a ratio.
 
     python benchmarks/host_overhead.py --model random:narrow-32l default --running 1 16 64 256 --baseline HEAD~1
 """
@@ -146,20 +148,32 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def report(model: str, current: dict, baseline: dict | None, rev: str | None) -> None:
+def report(model: str, rounds: list[tuple[dict, dict | None]], rev: str | None) -> None:
+    """One row per running count: this side's medians (phases from the last round) and, with a baseline,
+    the baseline's, each round's host-time ratio and their median."""
+    current = rounds[-1][0]
     phases = sorted({p for entry in current.values() for p in entry["phases_ms"]})
     head = ["running", "host ms/step", "wall ms/step", *(f"{p} ms" for p in phases), "step call ms"]
-    if baseline:
+    compared = rounds[0][1] is not None
+    if compared:
         head += [f"{rev} host ms/step", f"{rev} wall ms/step", "host ratio"]
+        if len(rounds) > 1:
+            head.append("ratio by round")
     print(f"\n{model}\n| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+
+    def across_rounds(side: int, n: int, key: str) -> float:  # the median of the rounds' medians
+        return median([median(r[side][n][key]) for r in rounds])
+
     for n, entry in current.items():
-        host = median(entry["host_ms"])
-        cells = [str(n), f"{host:.2f}", f"{median(entry['wall_ms']):.2f}"]
+        cells = [str(n), f"{across_rounds(0, n, 'host_ms'):.2f}", f"{across_rounds(0, n, 'wall_ms'):.2f}"]
         cells += [f"{median(entry['phases_ms'].get(p, [])):.2f}" for p in phases]
         cells.append(f"{median(entry.get('dispatch_ms', [])):.2f}")
-        if baseline:
-            old = median(baseline[n]["host_ms"])
-            cells += [f"{old:.2f}", f"{median(baseline[n]['wall_ms']):.2f}", f"{old / host:.2f}x"]
+        if compared:
+            ratios = [median(old[n]["host_ms"]) / median(new[n]["host_ms"]) for new, old in rounds]
+            cells += [f"{across_rounds(1, n, 'host_ms'):.2f}", f"{across_rounds(1, n, 'wall_ms'):.2f}"]
+            cells.append(f"{median(ratios):.2f}x")
+            if len(rounds) > 1:
+                cells.append(", ".join(f"{ratio:.2f}" for ratio in ratios))
         print("| " + " | ".join(cells) + " |")
 
 
@@ -177,16 +191,21 @@ def main() -> None:
     parser.add_argument("--no-pin", action="store_true",
                         help="leave threads unpinned: the device's work shares the engine thread's core")  # fmt: skip
     parser.add_argument("--baseline", metavar="REV", help="also measure the jserve of this git revision")
+    parser.add_argument("--rounds", type=int, default=1, help="with --baseline: alternate the two sides this often")
     parser.add_argument("--json", action="store_true", help="print the raw results as one JSON line")
     args = parser.parse_args()
+    pin = not args.no_pin
     for model in args.model:
         if args.json:
-            print(json.dumps(measure(model, args.running, args.steps, args.repeats, not args.no_pin)))
+            print(json.dumps(measure(model, args.running, args.steps, args.repeats, pin)))
             continue
-        baseline = None
-        if args.baseline:
-            baseline = run_baseline(args.baseline, model, args.running, args.steps, args.repeats, not args.no_pin)
-        report(model, measure(model, args.running, args.steps, args.repeats, not args.no_pin), baseline, args.baseline)
+        rounds = []
+        for _ in range(args.rounds if args.baseline else 1):
+            baseline = None
+            if args.baseline:
+                baseline = run_baseline(args.baseline, model, args.running, args.steps, args.repeats, pin)
+            rounds.append((measure(model, args.running, args.steps, args.repeats, pin), baseline))
+        report(model, rounds, args.baseline)
 
 
 if __name__ == "__main__":
