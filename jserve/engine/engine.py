@@ -35,11 +35,10 @@ log = logging.getLogger("jserve")
 
 @dataclass
 class LaunchedStep:
-    """A dispatched step: its sequences, which of them sample, its host inputs and its outputs (device arrays),
-    and the samples of its deferred grammar rows once they are drawn (see deferred_sampling.py)."""
+    """A dispatched step: its sequences (each knowing whether it samples), its host inputs and its outputs
+    (device arrays), and the samples of its deferred grammar rows once they are drawn (deferred_sampling.py)."""
 
     sequences: list[ScheduledSequence]
-    samples: list[bool]
     inputs: StepInput
     output: StepOutput
     deferred_rows: np.ndarray
@@ -262,21 +261,19 @@ class LLMEngine:
                 raise RuntimeError(message)
             log.warning(message)
         verifies = proposes = constrained = False
-        samples, advance, mark_launched = [], self.scheduler.kv.advance, self.outputs.launched
+        advance, mark_launched = self.scheduler.kv.advance, self.outputs.launched
         for row, seq in enumerate(sequences):
             request = seq.request
-            sampled = seq.samples  # (before the request advances)
-            samples.append(sampled)
             if seq.start < request.num_prompt_tokens:
                 self.stats.prompt_tokens += min(seq.num_tokens, request.num_prompt_tokens - seq.start)
             advance(request, seq.num_tokens)
             verifies = verifies or len(seq.drafts) > 0  # (a row with drafts decodes, so it samples)
-            if sampled:
+            if seq.samples:
                 mark_launched(request, row)
                 proposes = proposes or seq.proposes
                 constrained = constrained or request.grammar is not None
         deferred = np.flatnonzero(inputs.deferred[: len(sequences)])
-        return LaunchedStep(sequences, samples, inputs, output, deferred, verifies, proposes, constrained)
+        return LaunchedStep(sequences, inputs, output, deferred, verifies, proposes, constrained)
 
     def _dispatch(
         self, sequences: list[ScheduledSequence], changed: set[str]
@@ -323,11 +320,11 @@ class LLMEngine:
         now = time.monotonic()
         verify_rows = verify_row_starts(step.sequences) if step.verifies else None
         append, finished, generated = self.outputs.append, RequestStatus.FINISHED, 0
-        for row, (seq, sampled) in enumerate(zip(step.sequences, step.samples, strict=True)):
+        for row, seq in enumerate(step.sequences):
             request = seq.request
             if len(seq.drafts):
                 tokens = self._verified_tokens(seq, verified, int(verify_rows[row]), samples, row)
-            if not sampled or request.status is finished:  # finished by the step before: this token is surplus
+            if not seq.samples or request.status is finished:  # finished by the step before: this token is surplus
                 continue
             if request.stream:
                 changed.add(request.parent_id)

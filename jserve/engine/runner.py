@@ -259,19 +259,17 @@ class ModelRunner:
             raise ValueError(f"{len(sequences)} sequences exceed the batch of {num_seqs}")
         numbers, chunks = [], []  # (numbers: 9 per sequence, flat, which numpy reads faster than tuples)
         owner, pages = batch.owner, batch.pages
-        for s in sequences:  # (ScheduledSequence.samples and .token_ids inlined: this runs per sequence per step)
-            request = s.request
-            slot, start, drafts = request.slot, s.start, s.drafts
+        for s in sequences:
+            request, samples = s.request, s.samples
+            slot = request.slot
             if owner[slot] != request.admit_index:
                 batch.join(slot, request)
             if pages[slot] is not request.pages:
                 batch.set_pages(slot, request.pages)
-            seq_len, end = request.num_tokens + request.num_pending, start + s.num_tokens - len(drafts)
-            samples = end == seq_len
             pending = request.pending_row if request.num_pending and samples else -1  # its own last token
-            numbers += (slot, start, s.num_tokens, len(drafts), pending, seq_len, samples, s.first, s.proposes)
-            chunks.append(np.concatenate([request.token_buffer[start:end], drafts]) if len(drafts) else
-                          request.token_buffer[start:end])  # fmt: skip
+            numbers += (slot, s.start, s.num_tokens, len(s.drafts), pending, request.seq_len, samples, s.first,
+                        s.proposes)  # fmt: skip
+            chunks.append(s.token_ids)
         columns = np.array(numbers, np.int32).reshape(len(sequences), 9).T
         slots, starts, lens, num_drafts, pending, seq_lens, samples, first, proposes = columns
         token_ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)

@@ -56,12 +56,12 @@ class ScheduledSequence:
     # Draft tokens to verify, the chunk's last num_tokens counts them too (after the request's latest token).
     drafts: np.ndarray = field(default_factory=lambda: NO_DRAFTS)
     proposes: bool = False  # the step proposes the extra tokens of the request's next step
+    # The chunk reaches the sequence's last token, so its logits give the request's next token. Worked out
+    # once, as the step is planned: launching changes the request, and several readers ask every step.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so its logits give the request's next token (read
-        before the step is launched: launching changes the request)."""
-        return self.start + self.num_tokens - len(self.drafts) == self.request.seq_len
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens - len(self.drafts) == self.request.seq_len
 
     @property
     def token_ids(self) -> np.ndarray:

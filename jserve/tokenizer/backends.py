@@ -91,8 +91,7 @@ class TokenizersBackend:
         """byte_pieces for both settings, from one pass over the vocabulary. Byte-level BPE's decoder is exactly
         the join; added tokens decode to their text, taken from a decode of each alone, which must be whole
         characters (else the join might not match what they decode to beside others)."""
-        decoder = json.loads(self._model.decoder.__getstate__()) if self._model.decoder is not None else {}
-        if {d.get("type") for d in decoder.get("decoders", [decoder])} != {"ByteLevel"}:
+        if self._decoder_kinds != {"ByteLevel"}:
             return {True: None, False: None}
         vocabulary = [b""] * self.vocab_size
         for piece, i in self._model.get_vocab(with_added_tokens=False).items():
@@ -111,6 +110,13 @@ class TokenizersBackend:
                     tables[skip][i] = text.encode("utf-8")
         return tables
 
+    @functools.cached_property
+    def _decoder_kinds(self) -> set[str]:
+        """The types of the tokenizer's decoder steps (one, or each of a Sequence's), which say how its pieces
+        spell bytes."""
+        decoder = json.loads(self._model.decoder.__getstate__()) if self._model.decoder is not None else {}
+        return {d.get("type") for d in decoder.get("decoders", [decoder])}
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._model.id_to_token(token_id)
 
@@ -118,9 +124,7 @@ class TokenizersBackend:
         return self._model.token_to_id(token)
 
     def token_bytes(self) -> list[bytes]:
-        decoder = json.loads(self._model.to_str()).get("decoder") or {}
-        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
-        piece_bytes = byte_level_bytes if "ByteLevel" in kinds else metaspace_bytes
+        piece_bytes = byte_level_bytes if "ByteLevel" in self._decoder_kinds else metaspace_bytes
         added = self._model.get_added_tokens_decoder()
         out = []
         for i in range(self.vocab_size):
