@@ -65,7 +65,7 @@ def main() -> None:
             "kv_bytes": bytes_per_device(llm.engine.runner.kv_cache),
             "num_kv_heads": llm.engine.model.config.num_kv_heads,
             "num_pages": llm.engine.config.num_pages,
-            "kv_shard_shape": list(llm.engine.runner.kv_cache[0].k.addressable_shards[0].data.shape),
+            "kv_shard_shape": list(llm.engine.runner.kv_cache.k.addressable_shards[0].data.shape),
             "draft_tokens": llm.engine.stats.spec_draft_tokens,
             "accepted_tokens": llm.engine.stats.spec_accepted_tokens,
         }

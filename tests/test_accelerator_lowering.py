@@ -49,9 +49,13 @@ def lower_step(
     config = config or MODEL_SHAPES["llama3-8b"]
     graphdef, abstract = abstract_model(config, dtype, quantization)
     params, params_def = jax.tree_util.tree_flatten(abstract)
-    page_shape = (runner.config.num_pages, runner.config.page_size, config.num_kv_heads, config.head_dim)
-    pages = jax.ShapeDtypeStruct(page_shape, dtype)
-    kv_cache = (KVPages(pages, pages),) * config.num_layers
+
+    def kv_cache(num_layers: int) -> KVPages:
+        page_shape = (num_layers * runner.config.num_pages, runner.config.page_size, config.num_kv_heads,
+                      config.head_dim)  # fmt: skip
+        pages = jax.ShapeDtypeStruct(page_shape, dtype)
+        return KVPages(pages, pages, num_layers)
+
     draft_config = dataclasses.replace(
         config, num_layers=2, sliding_windows=config.sliding_windows[:2], moe_layers=config.moe_layers[:2]
     )
@@ -68,8 +72,8 @@ def lower_step(
         step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask),
                        verify=replace(step.verify, token_bitmask=verify_bitmask))  # fmt: skip
         packing = StepPacking.of(step)
-        args = (graphdef, attention, params_def, drafter, packing, params, draft_params, kv_cache, kv_cache[:2],
-                penalties, sampled, packing.pack(step))  # fmt: skip
+        args = (graphdef, attention, params_def, drafter, packing, params, draft_params, kv_cache(config.num_layers),
+                kv_cache(2), penalties, sampled, packing.pack(step))  # fmt: skip
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
     return texts

@@ -141,9 +141,12 @@ def test_no_compilation_after_warm_up(llm):
 
 
 def test_every_bucket_writes_the_kv_cache_in_place(llm):
-    """No compiled step copies a layer's pages: a lone decode's once copied the whole cache to write one row."""
-    num_pages, page_size, *row = llm.engine.runner.kv_cache[0].k.shape
-    layouts = {(num_pages, page_size, *row), (num_pages * page_size, *row)}  # as pages, and as slots
+    """No compiled step copies pages: a lone decode's once copied the whole cache to write one row."""
+    cache = llm.engine.runner.kv_cache
+    num_pages, page_size, *row = cache.k.shape
+    # the cache's pages or one layer's, as pages and as slots
+    layouts = {(n, page_size, *row) for n in (num_pages, num_pages // cache.num_layers)}
+    layouts |= {(n * page_size, *row) for n, *_ in list(layouts)}
     for bucket, executable in llm.engine.runner.executables.items():
         copies = re.findall(r"= \w+\[([\d,]+)\][^ ]* copy\(", executable.as_text())
         assert not layouts & {tuple(map(int, dims.split(","))) for dims in copies}, f"bucket {bucket} copies pages"
@@ -272,7 +275,7 @@ def test_bfloat16_kv_cache(tiny_llama_checkpoint, llm):
     outputs = {}
     for backend in ("cpu", "reference"):
         half = tiny_llm(tiny_llama_checkpoint[0], kv_cache_dtype="bfloat16", attention_backend=backend)
-        assert half.engine.runner.kv_cache[0].k.dtype == jnp.bfloat16
+        assert half.engine.runner.kv_cache.k.dtype == jnp.bfloat16
         assert half.engine.config.num_pages == 2 * llm.engine.config.num_pages
         outputs[backend] = half.generate(batch, params, use_tqdm=False)
         assert_engine_idle(half)

@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.attention import KVPages, SequenceChunk, allocate_kv_cache, build_model_input, paged_attention, write_kv
+from jserve import cpu_kernels
+from jserve.attention import (
+    KVPages,
+    SequenceChunk,
+    allocate_kv_cache,
+    build_model_input,
+    paged_attention,
+    resolve_attention_backend,
+    write_kv,
+)
 from jserve.loader import load_model
 
 from tiny_models import VOCAB_SIZE, jserve_prompt_logits, model_forward, save_tiny_checkpoint
@@ -91,6 +100,36 @@ def test_paged_attention_matches_dense(batch, page_size, heads, kv_heads, window
     changed = np.flatnonzero(np.any(np.asarray(pages.k != before.k).reshape(-1, kv_heads * dim), axis=1))
     written = np.asarray(meta.slot_mapping)[np.asarray(meta.slot_mapping) >= 0]
     assert set(changed) <= set(written)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_each_layer_writes_and_reads_its_own_pages(backend):
+    """Every layer's pages share one array: a layer's metadata points into its part, so a write to layer 1
+    changes nothing of layers 0 and 2, and layer 1's attention reads what the layer itself wrote."""
+    if backend == "cpu" and not cpu_kernels.available():
+        pytest.skip("jserve's CPU kernels need a C++ compiler on this machine")
+    attention = resolve_attention_backend(backend)
+    rng = np.random.default_rng(5)
+    num_layers, pages_per_layer, page_size, kv_heads, dim = 3, 4, 4, 2, 64
+    shape = (num_layers * pages_per_layer, page_size, kv_heads, dim)
+    cache = KVPages(*(jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in "kv"), num_layers)
+    tokens = 6
+    batch = build_model_input([SequenceChunk(np.zeros(tokens, np.int32), 0, np.array([3, 1], np.int32))],
+                              page_size, 8, 2, 2)  # fmt: skip
+    q, k, v = (jnp.asarray(rng.normal(size=(8, h, dim)), jnp.float32) for h in (4, kv_heads, kv_heads))
+    out, written = attention(q, k, v, cache, batch.attention.for_layer(cache.first_page(1), page_size), scale=0.125)
+
+    layer_1 = slice(pages_per_layer, 2 * pages_per_layer)
+    for before, after in ((cache.k, written.k), (cache.v, written.v)):
+        np.testing.assert_array_equal(np.delete(np.asarray(after), np.s_[layer_1], 0),
+                                      np.delete(np.asarray(before), np.s_[layer_1], 0))  # fmt: skip
+    slots = np.asarray(batch.attention.slot_mapping)[:tokens]
+    np.testing.assert_array_equal(
+        np.asarray(written.k[layer_1]).reshape(-1, kv_heads, dim)[slots], np.asarray(k)[:tokens]
+    )
+    expected = dense_attention(np.asarray(q)[:tokens], np.asarray(k)[:tokens], np.asarray(v)[:tokens],
+                               np.arange(tokens), 0.125, None, None)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(out)[:tokens], expected, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

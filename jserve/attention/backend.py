@@ -77,7 +77,7 @@ class AttentionBackend:
         if self.mesh is None:
             return local(q, k, v, pages, meta)
         heads = PartitionSpec(None, MODEL_AXIS, None)
-        kv = KVPages(kv_cache_spec(), kv_cache_spec())
+        kv = KVPages(kv_cache_spec(), kv_cache_spec(), pages.num_layers)
         sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(heads, heads, heads, kv, PartitionSpec()),
                                 out_specs=(heads, kv), check_vma=False)  # fmt: skip
         return sharded(q, k, v, pages, meta)
@@ -136,7 +136,8 @@ def _write_kv(pages: KVPages, k, v, slots) -> KVPages:
 
 
 def _cpu_write_kv(pages: KVPages, k, v, slots) -> KVPages:
-    return KVPages(*cpu_kernels.write_kv(pages.k, pages.v, k, v, slots))
+    new_k, new_v = cpu_kernels.write_kv(pages.k, pages.v, k, v, slots)
+    return dataclasses.replace(pages, k=new_k, v=new_v)
 
 
 REFERENCE = AttentionBackend()

@@ -1,8 +1,15 @@
-"""The paged KV cache as device arrays: per layer, K and V pages of [num_pages, page_size, kv_heads, head_dim]."""
+"""The paged KV cache as device arrays: every layer's K pages in one array and its V pages in another.
+
+Layer i's page p is row i * pages_per_layer + p of [num_layers * pages_per_layer, page_size, kv_heads, head_dim]:
+the kernels see one larger cache, and each layer's metadata points into its own part of it
+(AttentionMetadata.for_layer). Two arrays rather than two per layer, because every array a jitted step takes
+and returns costs host time on every call: at 32 layers the per-layer arrays cost about 0.12 ms a step.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -11,30 +18,35 @@ from jserve import cpu_kernels
 from jserve.config import ModelConfig
 
 
-@jax.tree_util.register_dataclass
+@partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=["num_layers"])
 @dataclass(frozen=True)
 class KVPages:
-    k: jax.Array  # [num_pages, page_size, num_kv_heads, head_dim]
+    k: jax.Array  # [num_layers * pages_per_layer, page_size, num_kv_heads, head_dim]
     v: jax.Array
+    num_layers: int = 1
 
     @property
     def page_size(self) -> int:
         return self.k.shape[1]
 
+    def first_page(self, layer: int) -> int:
+        """Where layer `layer`'s pages start."""
+        return layer * (self.k.shape[0] // self.num_layers)
 
-KVCache = tuple[KVPages, ...]  # one entry per layer
+
+KVCache = KVPages  # every layer's pages
 
 
 def allocate_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None) -> KVCache:
-    """Zeroed pages for every layer, on the default device or laid out by `sharding` (split by KV head)."""
-    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    """Zeroed pages, num_pages for every layer, on the default device or laid out by `sharding` (split by KV head)."""
+    shape = (config.num_layers * num_pages, page_size, config.num_kv_heads, config.head_dim)
     if sharding is None and jax.default_backend() == "cpu" and cpu_kernels.available():
         # On CPU, writing gigabytes of zeros costs seconds of page faults; these pages stay untouched
         # until the engine first writes them.
-        pages = cpu_kernels.zeros(shape, dtype, 2 * config.num_layers)
+        k, v = cpu_kernels.zeros(shape, dtype, 2)
     else:
-        pages = [jnp.zeros(shape, dtype, device=sharding) for _ in range(2 * config.num_layers)]
-    return tuple(KVPages(pages[2 * i], pages[2 * i + 1]) for i in range(config.num_layers))
+        k, v = (jnp.zeros(shape, dtype, device=sharding) for _ in "kv")
+    return KVPages(k, v, config.num_layers)
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype) -> int:

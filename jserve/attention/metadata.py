@@ -6,9 +6,10 @@ tokens mixed). The host (the engine's runner) builds these arrays; every device 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # slot_mapping value for padding tokens: their K/V are written nowhere.
@@ -28,6 +29,13 @@ class AttentionMetadata:
     def real_tokens(self) -> jax.Array:
         """int32 [1]: how many leading query tokens are real; the rest of the step is padding."""
         return self.query_start_loc[-1:]
+
+    def for_layer(self, first_page: int, page_size: int) -> AttentionMetadata:
+        """The metadata of the layer whose pages start at first_page of the cache (see KVPages): its page ids
+        and slots shifted there, padding slots left as they are."""
+        slots = self.slot_mapping
+        shifted = jnp.where(slots < 0, slots, slots + first_page * page_size)
+        return replace(self, slot_mapping=shifted, page_tables=self.page_tables + first_page)
 
 
 @jax.tree_util.register_dataclass

@@ -12,6 +12,8 @@ O(rows x block) however long the contexts are, and a group with no work costs no
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 
@@ -39,7 +41,7 @@ def write_kv(pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
         flat = cache.reshape(num_slots, heads, dim).at[slots].set(new.astype(cache.dtype), mode="drop")
         return flat.reshape(cache.shape)
 
-    return KVPages(scatter(pages.k, k), scatter(pages.v, v))
+    return replace(pages, k=scatter(pages.k, k), v=scatter(pages.v, v))
 
 
 def paged_attention(

@@ -75,12 +75,11 @@ class CausalLM(nnx.Module):
         x = self.embed_tokens(batch.token_ids)
         if config.embedding_multiplier != 1.0:
             x = x * jnp.asarray(config.embedding_multiplier, x.dtype)
-        new_cache = []
-        for layer, kv, window in zip(self.layers, kv_cache, config.sliding_windows, strict=True):
+        for i, (layer, window) in enumerate(zip(self.layers, config.sliding_windows, strict=True)):
             layer_rope = rope if window is None else local_rope
-            x, kv = _run_layer(*nnx.split(layer), x, layer_rope, kv, meta, attention)
-            new_cache.append(kv)
-        return x, tuple(new_cache)
+            layer_meta = meta.for_layer(kv_cache.first_page(i), kv_cache.page_size)
+            x, kv_cache = _run_layer(*nnx.split(layer), x, layer_rope, kv_cache, layer_meta, attention)
+        return x, kv_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 next-token logits [N, vocab] of hidden states [N, hidden]: the final norm and the head."""

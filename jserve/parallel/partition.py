@@ -109,7 +109,7 @@ def expert_spec(projection: str, kind: str, expert_parallel: bool) -> PartitionS
 
 
 def kv_cache_spec() -> PartitionSpec:
-    """KV pages [num_pages, page_size, kv_heads, head_dim], split by KV head."""
+    """KV pages [pages, page_size, kv_heads, head_dim] (every layer's: see KVPages), split by KV head."""
     return PartitionSpec(None, None, MODEL_AXIS, None)
 
 

@@ -101,7 +101,7 @@ class Drafter:
             options = replace(options, wants_top_logprobs=jnp.zeros_like(used),
                               constrained=jnp.zeros_like(used))  # fmt: skip
             meta = batch.attention
-            page_size = kv[0].page_size
+            page_size = kv.page_size
             page_tables = meta.page_tables[rows]
             query_start_loc = jnp.minimum(jnp.arange(count + 1, dtype=jnp.int32), jnp.sum(used, dtype=jnp.int32))
             model = self._model(params)
