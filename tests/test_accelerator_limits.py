@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from jserve.engine.args import EngineArgs
-from jserve.engine.config import MEMORY_HEADROOM, DeviceLimits, GiB, resolve_engine_config, step_workspace_bytes
+from jserve.engine.config import (
+    MEMORY_HEADROOM,
+    DeviceLimits,
+    GiB,
+    free_device_memory,
+    resolve_engine_config,
+    step_workspace_bytes,
+)
 from jserve.loader.random_weights import MODEL_SHAPES
 from pallas_kernels import gpu, tpu
 from pallas_kernels.split_rows import DEFAULT_NUM_CORES, MAX_KV_SPLITS, decode_splits
@@ -154,3 +161,11 @@ def test_the_triton_kernel_matches_the_reference_whatever_the_split(num_seqs):
     for kv_splits in (None, 1):
         out = gpu.ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True, kv_splits=kv_splits)
         np.testing.assert_allclose(np.asarray(out), expected, atol=TOLERANCE["float32"], rtol=TOLERANCE["float32"])
+
+
+def test_the_kv_cache_fits_the_largest_free_block():
+    """The cache is two large arrays (K and V, every layer's pages): where loading left holes, it is sized to the
+    largest free block."""
+    stats = {"bytes_limit": 70 * GiB, "bytes_in_use": 16 * GiB}
+    assert free_device_memory(stats) == 54 * GiB
+    assert free_device_memory({**stats, "largest_free_block_bytes": 50 * GiB}) == 50 * GiB

@@ -134,13 +134,19 @@ class DeviceLimits:
         device = jax.devices()[0]
         if device.platform == "cpu":
             return DeviceLimits("cpu", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        stats = device.memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        free = free_device_memory(device.memory_stats() or {})
         if device.platform == "tpu":
             from pallas_kernels import tpu
 
             return DeviceLimits("tpu", free, tpu.smem_capacity())
         return DeviceLimits(device.platform, free)
+
+
+def free_device_memory(stats: dict) -> int:
+    """What an allocator's memory_stats() leave free for the KV cache: its two arrays hold every layer's pages
+    (see KVPages), so where arrays freed during loading left holes, what the largest free block holds."""
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return min(free, stats.get("largest_free_block_bytes", free))
 
 
 def step_workspace_bytes(model: ModelConfig, page_size: int, num_tokens: int, num_seqs: int, max_num_seqs: int) -> int:
