@@ -257,27 +257,34 @@ class ModelRunner:
         num_seqs = cfg.seq_bucket(bucket)
         if len(sequences) > num_seqs:
             raise ValueError(f"{len(sequences)} sequences exceed the batch of {num_seqs}")
-        numbers, chunks = [], []  # (numbers: 9 per sequence, flat, which numpy reads faster than tuples)
+        numbers = []  # 10 per sequence, flat (numpy reads a flat list faster than tuples)
+        chunks = []  # (index, token ids) of the chunks of more than one token; a decode's token is a number
         owner, pages = batch.owner, batch.pages
-        for s in sequences:
-            request, samples = s.request, s.samples
+        for i, s in enumerate(sequences):
+            request, samples, num_tokens = s.request, s.samples, s.num_tokens
             slot = request.slot
             if owner[slot] != request.admit_index:
                 batch.join(slot, request)
             if pages[slot] is not request.pages:
                 batch.set_pages(slot, request.pages)
             pending = request.pending_row if request.num_pending and samples else -1  # its own last token
-            numbers += (slot, s.start, s.num_tokens, len(s.drafts), pending, request.seq_len, samples, s.first,
-                        s.proposes)  # fmt: skip
-            chunks.append(s.token_ids)
-        columns = np.array(numbers, np.int32).reshape(len(sequences), 9).T
-        slots, starts, lens, num_drafts, pending, seq_lens, samples, first, proposes = columns
-        token_ids = np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
+            if num_tokens == 1:  # (a pending token comes from the device: its id here is unknown and unused)
+                token = int(request.token_buffer[s.start]) if pending < 0 else 0
+            else:
+                token = 0
+                chunks.append((i, s.token_ids))
+            numbers += (slot, s.start, num_tokens, len(s.drafts), pending, request.seq_len, samples, s.first,
+                        s.proposes, token)  # fmt: skip
+        columns = np.array(numbers, np.int32).reshape(len(sequences), 10).T
+        slots, starts, lens, num_drafts, pending, seq_lens, samples, first, proposes, tokens = columns
+        ends = np.cumsum(lens) - 1
+        token_ids = np.repeat(tokens, lens)
+        for i, ids in chunks:
+            token_ids[ends[i] + 1 - len(ids) : ends[i] + 1] = ids
         rows = batch.rows(slots, num_seqs)
         facts = batch.facts[slots]
         padded_slots = padded(slots, num_seqs)
         model = batch.model_input(rows, starts, lens, token_ids, bucket)
-        ends = np.cumsum(lens) - 1
         # A chunk that ends in a token still in flight takes it from the previous step's samples (drafts
         # follow that token).
         pending_rows = np.full(bucket, -1, np.int32)
