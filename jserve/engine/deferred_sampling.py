@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import jax
 import numpy as np
 
-from jserve.engine.sampler import BIAS_WIDTH, PADDING, SamplerOutput, SamplingBatch, full_bitmask
+from jserve.engine.sampler import BIAS_WIDTH, PADDING, SamplingBatch, full_bitmask
 from jserve.engine.step import Sampled, jit_sample_deferred
 from jserve.structured import BitmaskFiller, GrammarMatcher
 
@@ -59,7 +59,7 @@ class DeferredSampler:
 
     def run(
         self, sampled: Sampled, penalty_state, sampling: SamplingBatch, rows: np.ndarray, grammars: list
-    ) -> tuple[SamplerOutput, Sampled]:
+    ) -> tuple[jax.Array, Sampled]:
         """Sample the step's rows `rows` (with `sampling`, the step's host batch) under their grammars' masks
         (None: a row whose request ended meanwhile, sampled unconstrained and ignored)."""
         size = next(s for s in self.sizes if s >= len(rows))

@@ -18,7 +18,6 @@ from jserve.engine.parent_request import ParentRequest
 from jserve.engine.progress import progress
 from jserve.engine.request import Request, RequestStatus
 from jserve.engine.runner import ModelRunner
-from jserve.engine.sampler import SamplerOutput
 from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
 from jserve.engine.speculation import Speculation, StepProposer
 from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
@@ -45,7 +44,7 @@ class LaunchedStep:
     verifies: bool  # a row has drafts to verify
     proposes: bool  # a sampling row proposes its next step's drafts
     constrained: bool  # a sampling row has a grammar
-    deferred_output: SamplerOutput | None = None
+    deferred_output: jax.Array | None = None  # the deferred rows' samples, packed (sampler.pack_samples)
 
     def blocks_next(self, defers_grammar: bool) -> bool:
         """The next step cannot be planned without this one's samples: a verification decides how many tokens
@@ -254,7 +253,7 @@ class LLMEngine:
         if launched is None:
             return None
         output, inputs = launched
-        self.timeline.launched(time.perf_counter(), output.samples.token_ids, self._busy)
+        self.timeline.launched(time.perf_counter(), output.samples, self._busy)
         if compile_count() != before:
             message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
             if self.config.debug_checks:
@@ -369,7 +368,7 @@ class LLMEngine:
         equals its draft (the last one that differs replaces it), or after all of them its row's own sample.
         The rejected drafts' K/V stop counting as computed (the request's pages end with the accepted ones)."""
         drafts = seq.drafts
-        matched = verified.out.token_ids[first : first + len(drafts)] == drafts
+        matched = verified.ids[first : first + len(drafts)] == drafts
         accepted = int(np.argmin(matched)) if not matched.all() else len(drafts)
         if seq.request.is_finished:
             return []

@@ -14,8 +14,8 @@ import numpy as np
 
 from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.request import Request, RequestStatus
-from jserve.engine.sampler import SamplerOutput
 from jserve.outputs import CompletionOutput, Logprob
+from jserve.sampling_params import MAX_LOGPROBS
 from jserve.tokenizer import IncrementalDetokenizer, Tokenizer, incremental_detokenizer
 
 
@@ -41,15 +41,17 @@ class CompletionState:
 
 
 class FetchedSamples:
-    """A fetched step's samples with their ids and logprobs as Python lists: converted once per step, since
-    reading one numpy element per row costs more than the whole conversion."""
+    """A fetched step's samples (packed rows: sampler.pack_samples), their ids and logprobs as Python lists:
+    converted once per step, since reading one numpy element per row costs more than the whole conversion."""
 
-    __slots__ = ("out", "token_ids", "logprobs")
+    __slots__ = ("ids", "token_ids", "logprobs", "top_ids", "top_logprobs")
 
-    def __init__(self, out: SamplerOutput):
-        self.out = out
-        self.token_ids: list[int] = out.token_ids.tolist()
-        self.logprobs: list[float] = out.logprobs.tolist()
+    def __init__(self, packed: np.ndarray):
+        self.ids = packed[:, 0]  # [S] int32
+        self.token_ids: list[int] = self.ids.tolist()
+        self.logprobs: list[float] = packed[:, 1].view(np.float32).tolist()
+        self.top_ids = packed[:, 2 : 2 + MAX_LOGPROBS]  # [S, MAX_LOGPROBS] int32, -1 past the vocabulary
+        self.top_logprobs = packed[:, 2 + MAX_LOGPROBS :].view(np.float32)
 
 
 class OutputProcessor:
@@ -184,7 +186,7 @@ class OutputProcessor:
         return None
 
     def _logprobs(self, token: int, samples: FetchedSamples, row: int, top_n: int) -> dict[int, Logprob]:
-        top_ids, top_lps = samples.out.top_ids[row], samples.out.top_logprobs[row]
+        top_ids, top_lps = samples.top_ids[row], samples.top_logprobs[row]
         ranks = np.flatnonzero(top_ids == token)
         rank = int(ranks[0]) + 1 if len(ranks) else None  # known when the token is among the top ones
         return self._entry(token, samples.logprobs[row], rank, top_ids, top_lps, top_n)

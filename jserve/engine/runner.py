@@ -23,7 +23,7 @@ from jserve.engine.config import EngineConfig
 from jserve.engine.deferred_sampling import DeferredSampler
 from jserve.engine.input_batch import HAS_GRAMMAR, PROMPT_LEN, SCORES_PROMPT, InputBatch, padded
 from jserve.engine.progress import progress
-from jserve.engine.sampler import BIAS_WIDTH, SamplerOutput, full_bitmask, init_penalty_state
+from jserve.engine.sampler import BIAS_WIDTH, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
 from jserve.engine.speculation import ProposingRows, StepProposer
 from jserve.engine.step import StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
@@ -196,8 +196,9 @@ class ModelRunner:
     def start_deferred_sampling(self) -> None:
         self.deferred.start(self.sampled, self.penalty_state)
 
-    def sample_deferred(self, step: StepInput, rows: np.ndarray, grammars: list) -> SamplerOutput:
-        """Sample the deferred rows of the latest launched step, now that their grammars are current."""
+    def sample_deferred(self, step: StepInput, rows: np.ndarray, grammars: list) -> jax.Array:
+        """Sample the deferred rows of the latest launched step, now that their grammars are current (packed
+        samples: sampler.pack_samples)."""
         start = time.perf_counter()
         out, self.sampled = self.deferred.run(self.sampled, self.penalty_state, step.sampling, rows, grammars)
         self.mask_fill_s.append(time.perf_counter() - start)

@@ -33,6 +33,7 @@ from jserve.engine.sampler import (
     SamplerOutput,
     SamplingBatch,
     no_samples,
+    pack_samples,
     sample,
     update_penalty_state,
 )
@@ -83,8 +84,8 @@ class StepInput:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
-    samples: SamplerOutput  # row i for the step's sequence i
-    verified: SamplerOutput  # the samples at draft positions, each speculating sequence's rows in turn
+    samples: jax.Array  # [S, SAMPLE_COLUMNS] i32 (sampler.pack_samples): row i for the step's sequence i
+    verified: jax.Array  # [R, SAMPLE_COLUMNS] the samples at draft positions, each speculating sequence's in turn
     proposals: jax.Array  # [D, k] i32: the device proposer's proposals for the next step ([0, 0] without one)
     scores: PromptScores  # by position in the step's tokens
 
@@ -147,17 +148,19 @@ def engine_step(
         sampled.held_logits,
     )
     sampled = Sampled(sampled.token_ids.at[:num_rows].set(out.token_ids), held)
-    return StepOutput(out, verified, proposals, scores), kv_cache, proposer_kv, penalty_state, sampled
+    outputs = StepOutput(pack_samples(out), pack_samples(verified), proposals, scores)
+    return outputs, kv_cache, proposer_kv, penalty_state, sampled
 
 
 def sample_deferred(
     sampled: Sampled, penalty_state: PenaltyState, sampling: SamplingBatch, rows: jax.Array
-) -> tuple[SamplerOutput, Sampled]:
+) -> tuple[jax.Array, Sampled]:
     """Samples the held logits of the latest step's rows `rows` ([D] i32, -1 = padding) with `sampling` ([D]
-    rows: their options and, now, their token bitmasks), and writes the tokens where the next step reads them."""
+    rows: their options and, now, their token bitmasks), and writes the tokens where the next step reads them;
+    returns the samples packed (sampler.pack_samples)."""
     out = sample(sampled.held_logits[jnp.maximum(rows, 0)], sampling, penalty_state)
     at = jnp.where(rows >= 0, rows, sampled.token_ids.shape[0])  # padding rows point past the end: dropped
-    return out, Sampled(sampled.token_ids.at[at].set(out.token_ids, mode="drop"), sampled.held_logits)
+    return pack_samples(out), Sampled(sampled.token_ids.at[at].set(out.token_ids, mode="drop"), sampled.held_logits)
 
 
 def jit_sample_deferred(out_shardings=None):
