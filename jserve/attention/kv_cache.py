@@ -3,7 +3,7 @@
 Layer i's page p is row i * pages_per_layer + p of [num_layers * pages_per_layer, page_size, kv_heads, head_dim]:
 the kernels see one larger cache, and each layer's metadata points into its own part of it
 (AttentionMetadata.for_layer). Two arrays rather than two per layer, because every array a jitted step takes
-and returns costs host time on every call: at 32 layers the per-layer arrays made the call cost 1.5-2x as much
+and returns costs host time on every call: at 32 layers the per-layer arrays made the call cost 1.4-1.7x as much
 (docs/benchmarks.md, host time per step).
 """
 
