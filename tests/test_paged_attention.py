@@ -102,12 +102,15 @@ def test_paged_attention_matches_dense(batch, page_size, heads, kv_heads, window
     assert set(changed) <= set(written)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+NEEDS_CPU_KERNELS = pytest.mark.skipif(
+    not cpu_kernels.available(), reason="needs a C++ compiler to build jserve's kernels"
+)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=NEEDS_CPU_KERNELS)])
 def test_each_layer_writes_and_reads_its_own_pages(backend):
     """Every layer's pages share one array: a layer's metadata points into its part, so a write to layer 1
     changes nothing of layers 0 and 2, and layer 1's attention reads what the layer itself wrote."""
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip("jserve's CPU kernels need a C++ compiler on this machine")
     attention = resolve_attention_backend(backend)
     rng = np.random.default_rng(5)
     num_layers, pages_per_layer, page_size, kv_heads, dim = 3, 4, 4, 2, 64

@@ -14,8 +14,8 @@ import numpy as np
 
 from jserve.engine.prompt_logprobs import PromptScores
 from jserve.engine.request import Request, RequestStatus
+from jserve.engine.sampler import TOP_IDS, TOP_LOGPROBS
 from jserve.outputs import CompletionOutput, Logprob
-from jserve.sampling_params import MAX_LOGPROBS
 from jserve.tokenizer import IncrementalDetokenizer, Tokenizer, incremental_detokenizer
 
 
@@ -50,8 +50,8 @@ class FetchedSamples:
         self.ids = packed[:, 0]  # [S] int32
         self.token_ids: list[int] = self.ids.tolist()
         self.logprobs: list[float] = packed[:, 1].view(np.float32).tolist()
-        self.top_ids = packed[:, 2 : 2 + MAX_LOGPROBS]  # [S, MAX_LOGPROBS] int32, -1 past the vocabulary
-        self.top_logprobs = packed[:, 2 + MAX_LOGPROBS :].view(np.float32)
+        self.top_ids = packed[:, TOP_IDS]  # [S, MAX_LOGPROBS] int32, -1 past the vocabulary
+        self.top_logprobs = packed[:, TOP_LOGPROBS].view(np.float32)
 
 
 class OutputProcessor:

@@ -143,11 +143,12 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
-SAMPLE_COLUMNS = 2 + 2 * MAX_LOGPROBS  # a packed sample row: token id, logprob, top ids, top logprobs
+# A packed sample row (pack_samples): token id, logprob, MAX_LOGPROBS top ids, MAX_LOGPROBS top logprobs.
+TOP_IDS, TOP_LOGPROBS = slice(2, 2 + MAX_LOGPROBS), slice(2 + MAX_LOGPROBS, 2 + 2 * MAX_LOGPROBS)
 
 
 def pack_samples(out: SamplerOutput) -> jax.Array:
-    """[S, SAMPLE_COLUMNS] int32, the float columns bit for bit: one array for a step to return and the host to
+    """[S, 2 + 2 * MAX_LOGPROBS] int32, the float columns bit for bit: one array for a step to return and the host to
     fetch instead of four (each costs host time on both ends). The host reads it as FetchedSamples."""
     bits = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     columns = (out.token_ids[:, None], bits(out.logprobs)[:, None], out.top_ids, bits(out.top_logprobs))

@@ -84,8 +84,8 @@ class StepInput:
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class StepOutput:
-    samples: jax.Array  # [S, SAMPLE_COLUMNS] i32 (sampler.pack_samples): row i for the step's sequence i
-    verified: jax.Array  # [R, SAMPLE_COLUMNS] the samples at draft positions, each speculating sequence's in turn
+    samples: jax.Array  # [S, 2 + 2 * MAX_LOGPROBS] i32 (sampler.pack_samples): row i for the step's sequence i
+    verified: jax.Array  # [R, ...] packed, the samples at draft positions, each speculating sequence's in turn
     proposals: jax.Array  # [D, k] i32: the device proposer's proposals for the next step ([0, 0] without one)
     scores: PromptScores  # by position in the step's tokens
 
