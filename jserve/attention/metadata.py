@@ -96,8 +96,11 @@ def ragged_model_input(
     total = int(cu[-1])
     if total > num_tokens or n > num_seqs:
         raise ValueError(f"{total} tokens in {n} sequences exceed the bucket ({num_tokens}, {num_seqs})")
-    seq_of_token = np.repeat(np.arange(n), lens)
-    real_pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - cu[seq_of_token]
+    if total == n:  # one token per sequence (a decode step)
+        seq_of_token, real_pos = np.arange(n), starts
+    else:
+        seq_of_token = np.repeat(np.arange(n), lens)
+        real_pos = starts[seq_of_token] + np.arange(total, dtype=np.int32) - cu[seq_of_token]
     ids = np.zeros(num_tokens, np.int32)
     ids[:total] = token_ids
     positions = np.zeros(num_tokens, np.int32)

@@ -12,6 +12,7 @@ size); their last row holds what padding rows take.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jserve.attention import ModelInput
@@ -27,6 +28,16 @@ FLOAT_OPTIONS = ("temperature", "top_p", "min_p", "repetition_penalty", "presenc
 INT_OPTIONS = ("top_k", "seeds", "wants_top_logprobs")
 # What the host's own arithmetic reads of a row, by column of the facts table.
 PROMPT_LEN, MIN_TOKENS, HAS_BIAS, HAS_GRAMMAR, SCORES_PROMPT, USES_PENALTIES = range(6)
+
+
+def constant_rows(cache: dict, key, make):
+    """What a step passes when no row uses a feature, made once per bucket (`key`) and read-only from then
+    on: steps share it, and the device may still read an earlier step's."""
+    if (value := cache.get(key)) is None:
+        value = cache[key] = make()
+        for array in jax.tree.leaves(value):
+            array.flags.writeable = False
+    return value
 
 
 def padded(values: np.ndarray, length: int, dtype=None) -> np.ndarray:
@@ -51,6 +62,7 @@ class InputBatch:
         self.early_bias_values = np.zeros((num_slots, BIAS_WIDTH), np.float32)
         self.page_table = np.zeros((num_slots + 1, max_pages), np.int32)  # (the padding row stays zero)
         self.pages: list[np.ndarray] = [NO_PAGES] * num_slots  # the Request.pages each page-table row copies
+        self._no_penalties: dict[tuple[int, int], PenaltyUpdate] = {}  # by (tokens, sequences) of a step
 
     def join(self, slot: int, request: Request) -> None:
         """Write a newly admitted request's options into its slot's rows."""
@@ -89,9 +101,9 @@ class InputBatch:
     def sampling(self, rows, facts, padded_slots, num_output, constrained, bitmask, no_bias) -> SamplingBatch:
         """The step's sampling rows: each sequence's options gathered from its slot, padding rows greedy with
         every option off. `facts`: the sequences' rows of the facts table; `padded_slots`: their slots, then zeros;
-        `num_output`: tokens generated before
-        the row's sample; `no_bias`: the (ids, values) to pass when no row has a bias (kept on the device by the
-        runner)."""
+        `num_output`: tokens generated before the row's sample; `constrained`: [num_seqs] whether the row's mask
+        comes with the step; `no_bias`: the (ids, values) to pass when no row has a bias (kept on the device by
+        the runner)."""
         n, num_seqs = len(facts), len(rows)
         floats, ints = self.float_options[rows], self.int_options[rows]
         if facts[:, HAS_BIAS].any():
@@ -119,22 +131,24 @@ class InputBatch:
             bias_values=bias_values,
             wants_top_logprobs=ints[:, 2] != 0,
             token_bitmask=bitmask,
-            constrained=padded(constrained, num_seqs, bool),
+            constrained=constrained,
         )
 
-    @staticmethod
-    def penalties(padded_slots, facts, first, positions: np.ndarray, lens, num_tokens: int) -> PenaltyUpdate:
+    def penalties(self, padded_slots, facts, first, positions: np.ndarray, lens, num_tokens: int) -> PenaltyUpdate:
         """Only requests with penalties read their token history, so only theirs is recorded (a step of others
         skips the [S, V] update on device); it starts afresh with their first chunk."""
-        n = len(facts)
-        token_slots = np.zeros(num_tokens, np.int32)
-        total = int(lens.sum())
-        token_slots[:total] = np.repeat(padded_slots[:n], lens)
         tracked = facts[:, USES_PENALTIES] != 0
+        num_seqs = len(padded_slots)
+        if not tracked.any():  # nothing recorded or reset: the step's rows are not read
+            return constant_rows(self._no_penalties, (num_tokens, num_seqs), lambda: PenaltyUpdate(
+                np.zeros(num_tokens, np.int32), np.zeros(num_tokens, bool), np.zeros(num_tokens, bool),
+                np.zeros(num_seqs, np.int32), np.zeros(num_seqs, bool),
+            ))  # fmt: skip
+        n, total = len(facts), int(lens.sum())
+        token_slots = np.zeros(num_tokens, np.int32)
+        token_slots[:total] = np.repeat(padded_slots[:n], lens)
         is_output = np.zeros(num_tokens, bool)
+        is_output[:total] = positions[:total] >= np.repeat(facts[:, PROMPT_LEN], lens)
         recorded = np.zeros(num_tokens, bool)
-        if tracked.any():
-            is_output[:total] = positions[:total] >= np.repeat(facts[:, PROMPT_LEN], lens)
-            recorded[:total] = np.repeat(tracked, lens)
-        return PenaltyUpdate(token_slots, is_output, recorded, padded_slots,
-                             padded(tracked & first, len(padded_slots), bool))  # fmt: skip
+        recorded[:total] = np.repeat(tracked, lens)
+        return PenaltyUpdate(token_slots, is_output, recorded, padded_slots, padded(tracked & first, num_seqs, bool))

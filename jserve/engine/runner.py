@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
 from jserve.engine.deferred_sampling import DeferredSampler
-from jserve.engine.input_batch import HAS_GRAMMAR, PROMPT_LEN, SCORES_PROMPT, InputBatch, padded
+from jserve.engine.input_batch import HAS_GRAMMAR, PROMPT_LEN, SCORES_PROMPT, InputBatch, constant_rows, padded
 from jserve.engine.progress import progress
 from jserve.engine.sampler import BIAS_WIDTH, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
@@ -95,6 +95,7 @@ class ModelRunner:
             for n in batch_sizes
         }
         self.prepare_s = 0.0  # host time building step inputs, for the engine's stats
+        self._constants: dict = {}  # inputs of features no row of a step uses, by (feature, bucket)
         self.batch = InputBatch(config.max_num_seqs, config.max_pages_per_seq, config.page_size, stop_ids)
         self.bitmask_filler = BitmaskFiller()
         seq_buckets = sorted({config.seq_bucket(bucket) for bucket in config.token_buckets})
@@ -298,9 +299,9 @@ class ModelRunner:
             # A grammar row whose previous token is in flight gets its mask after launch (not a proposing one:
             # the proposer proposes after the row's sample).
             deferred = constrained & in_flight & (proposes == 0) if self.defers_grammar else np.zeros_like(in_flight)
-            constrained &= ~deferred
+            constrained, deferred = padded(constrained & ~deferred, num_seqs), padded(deferred, num_seqs)
         else:
-            deferred = constrained
+            constrained = deferred = self._no_rows(num_seqs)
         num_verify = cfg.verify_rows(bucket)
         bitmask, verify_bitmask = self._token_bitmasks(sequences, constrained, num_seqs, num_verify)
         return StepInput(
@@ -313,14 +314,16 @@ class ModelRunner:
             prompt_targets=self._prompt_targets(sequences, facts, ends - lens + 1, bucket),
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
             proposing=self._proposing_rows(sequences, cfg.proposing_rows(bucket)),
-            deferred=padded(deferred, num_seqs),
+            deferred=deferred,
         )
 
-    @staticmethod
-    def _prompt_targets(sequences: list[ScheduledSequence], facts, starts, bucket: int) -> np.ndarray:
+    def _prompt_targets(self, sequences: list[ScheduledSequence], facts, starts, bucket: int) -> np.ndarray:
         """A chunk of a prompt being scored scores each of its tokens' successor in the prompt."""
+        scoring = np.flatnonzero(facts[:, SCORES_PROMPT])
+        if not len(scoring):
+            return constant_rows(self._constants, ("no targets", bucket), lambda: np.full(bucket, -1, np.int32))
         targets = np.full(bucket, -1, np.int32)
-        for i in np.flatnonzero(facts[:, SCORES_PROMPT]):
+        for i in scoring:
             s, start = sequences[i], starts[i]
             request = s.request
             stop = min(s.start + s.num_tokens, request.num_prompt_tokens - 1)  # positions with a next token
@@ -363,6 +366,9 @@ class ModelRunner:
         for i, r in proposing.items():
             rows[r], start[r], count[r] = i, verify_starts[i], len(sequences[i].drafts)
         return ProposingRows(rows, start, count)
+
+    def _no_rows(self, num_seqs: int) -> np.ndarray:
+        return constant_rows(self._constants, ("no rows", num_seqs), lambda: np.zeros(num_seqs, bool))
 
     def _token_bitmasks(
         self, sequences: list[ScheduledSequence], constrained: np.ndarray, num_seqs: int, num_verify: int

@@ -32,7 +32,7 @@ class StepPacking:
     treedef: jax.tree_util.PyTreeDef
     # per leaf: ("int" | "float", offset, length, dtype name) for packed ones, ("array", index, 0, "") otherwise
     places: tuple[tuple[str, int, int, str], ...]
-    sizes: tuple[int, int]  # ints, floats
+    kinds: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # the leaves of each buffer, and the others
 
     @staticmethod
     def of(step) -> StepPacking:
@@ -47,18 +47,17 @@ class StepPacking:
                 continue
             places.append((kind, sizes[kind], leaf.shape[0], np.dtype(leaf.dtype).name))
             sizes[kind] += leaf.shape[0]
-        return StepPacking(treedef, tuple(places), (sizes["int"], sizes["float"]))
+        kinds = tuple(tuple(i for i, (k, *_) in enumerate(places) if k == kind) for kind in ("int", "float", "array"))
+        return StepPacking(treedef, tuple(places), kinds)
 
     def pack(self, step) -> PackedStep:
-        """On the host: the step's numpy arrays into the two buffers."""
-        ints, floats = np.empty(self.sizes[0], np.int32), np.empty(self.sizes[1], np.float32)
-        buffers, arrays = {"int": ints, "float": floats}, []
-        for leaf, (kind, offset, length, dtype) in zip(self.treedef.flatten_up_to(step), self.places, strict=True):
-            if kind == "array":
-                arrays.append(leaf)
-            else:
-                buffers[kind][offset : offset + length] = leaf.view(np.int32) if dtype == "uint32" else leaf
-        return PackedStep(ints, floats, tuple(arrays))
+        """On the host: the step's numpy arrays into the two buffers (in leaf order, as `places` has them; one
+        concatenation each, uint32 and bool cast to int32 bit for bit)."""
+        leaves = self.treedef.flatten_up_to(step)
+        int_leaves, float_leaves, array_leaves = self.kinds
+        ints = np.concatenate([leaves[i] for i in int_leaves], dtype=np.int32, casting="unsafe")
+        floats = np.concatenate([leaves[i] for i in float_leaves], dtype=np.float32)
+        return PackedStep(ints, floats, tuple(leaves[i] for i in array_leaves))
 
     def unpack(self, packed: PackedStep):
         """In the step: the StepInput again."""
