@@ -129,11 +129,11 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
         speculating = self.speculation is not None and self.speculation.active(len(self.running))
-        i, reserve, running = 0, self.kv.reserve, self.running
+        i, reserve, running, page_size = 0, self.kv.reserve, self.running, self.config.page_size
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
-            seq_len = request.seq_len
+            seq_len = request.num_tokens + request.num_pending
             if seq_len >= request.max_len:  # its last token is still in flight; it finishes when that is fetched
                 continue
             computed = request.num_computed_tokens
@@ -141,14 +141,15 @@ class Scheduler:
             drafts = self._extra_tokens(request, budget - n) if speculating else NO_DRAFTS
             if len(drafts) and not reserve(request, computed + n + len(drafts)):
                 drafts = NO_DRAFTS  # pages are short: no speculating
-            while not reserve(request, computed + n):
-                victim = running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
+            if computed + n > len(request.pages) * page_size:  # (most steps fit the pages a request holds)
+                while not reserve(request, computed + n):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.status is not RequestStatus.RUNNING:
                     break
-            if request.status is not RequestStatus.RUNNING:
-                break
             proposes = speculating and self._proposes(request, n, len(drafts))
             # (positional: one per running request per step)
             scheduled.append(ScheduledSequence(request, computed, n + len(drafts), False, drafts, proposes))
