@@ -16,6 +16,7 @@ class ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
+    metrics: RequestMetrics | None = None  # the latest output's, while it still holds
 
     @property
     def finished(self) -> bool:
@@ -29,10 +30,18 @@ class ParentRequest:
         if len(children) == 1:  # the common case, without the folds over siblings
             child = children[0]
             finished = child.status is RequestStatus.FINISHED
-            # (positional: one output per request per step, and a keyword call costs about twice as much)
-            metrics = RequestMetrics(child.arrival_time, child.first_scheduled_time, child.first_token_time,
-                                     child.finish_time if finished else None, child.num_preemptions)  # fmt: skip
+            metrics = self.metrics
+            # Made again only when it changes (never edited: earlier outputs hold it too); positional, since a
+            # keyword call costs about twice as much.
+            if (finished or metrics is None or metrics.first_token_time is not child.first_token_time
+                    or metrics.first_scheduled_time is not child.first_scheduled_time
+                    or metrics.num_preemptions != child.num_preemptions):  # fmt: skip
+                metrics = self.metrics = RequestMetrics(
+                    child.arrival_time, child.first_scheduled_time, child.first_token_time,
+                    child.finish_time if finished else None, child.num_preemptions,
+                )  # fmt: skip
             num_cached = child.num_cached_tokens
+            completions = [processor.completion(child)]
         else:
             finished = self.finished
             scheduled = [c.first_scheduled_time for c in children if c.first_scheduled_time is not None]
@@ -46,8 +55,8 @@ class ParentRequest:
                 num_preemptions=sum(c.num_preemptions for c in children),
             )
             num_cached = max(c.num_cached_tokens for c in children)
+            completions = [processor.completion(c) for c in children]
         scores = processor.prompt_logprobs(children[0]) if children[0].params.prompt_logprobs is not None else None
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, [processor.completion(child) for child in children],
-            finished, scores, num_cached, metrics,
+            self.request_id, self.prompt, self.prompt_token_ids, completions, finished, scores, num_cached, metrics,
         )  # fmt: skip
