@@ -30,16 +30,6 @@ INT_OPTIONS = ("top_k", "seeds", "wants_top_logprobs")
 PROMPT_LEN, MIN_TOKENS, HAS_BIAS, HAS_GRAMMAR, SCORES_PROMPT, USES_PENALTIES = range(6)
 
 
-def constant_rows(cache: dict, key, make):
-    """What a step passes when no row uses a feature, made once per bucket (`key`) and read-only from then
-    on: steps share it, and the device may still read an earlier step's."""
-    if (value := cache.get(key)) is None:
-        value = cache[key] = make()
-        for array in jax.tree.leaves(value):
-            array.flags.writeable = False
-    return value
-
-
 def padded(values: np.ndarray, length: int, dtype=None) -> np.ndarray:
     """values followed by zeros (False), `length` long."""
     out = np.zeros(length, dtype or values.dtype)
@@ -62,7 +52,7 @@ class InputBatch:
         self.early_bias_values = np.zeros((num_slots, BIAS_WIDTH), np.float32)
         self.page_table = np.zeros((num_slots + 1, max_pages), np.int32)  # (the padding row stays zero)
         self.pages: list[np.ndarray] = [NO_PAGES] * num_slots  # the Request.pages each page-table row copies
-        self._no_penalties: dict[tuple[int, int], PenaltyUpdate] = {}  # by (tokens, sequences) of a step
+        self._constants: dict = {}  # inputs of features no row of a step uses, by (feature, bucket): see constant
 
     def join(self, slot: int, request: Request) -> None:
         """Write a newly admitted request's options into its slot's rows."""
@@ -82,6 +72,15 @@ class InputBatch:
             ids[slot], values[slot] = -1, 0.0
             ids[slot, : len(entries)] = list(entries)
             values[slot, : len(entries)] = list(entries.values())
+
+    def constant(self, key, make):
+        """What a step passes when no row uses a feature, made once per `key` (the feature and the step's shape)
+        and read-only from then on: steps share it, and the device may still read an earlier step's."""
+        if (value := self._constants.get(key)) is None:
+            value = self._constants[key] = make()
+            for array in jax.tree.leaves(value):
+                array.flags.writeable = False
+        return value
 
     def set_pages(self, slot: int, pages: np.ndarray) -> None:
         self.page_table[slot, : len(pages)] = pages
@@ -140,7 +139,7 @@ class InputBatch:
         tracked = facts[:, USES_PENALTIES] != 0
         num_seqs = len(padded_slots)
         if not tracked.any():  # nothing recorded or reset: the step's rows are not read
-            return constant_rows(self._no_penalties, (num_tokens, num_seqs), lambda: PenaltyUpdate(
+            return self.constant(("no penalties", num_tokens, num_seqs), lambda: PenaltyUpdate(
                 np.zeros(num_tokens, np.int32), np.zeros(num_tokens, bool), np.zeros(num_tokens, bool),
                 np.zeros(num_seqs, np.int32), np.zeros(num_seqs, bool),
             ))  # fmt: skip

@@ -149,7 +149,7 @@ class OutputProcessor:
         wants_logprobs = request.params.logprobs is not None
         delta_logprobs = request.logprobs[state.tokens_sent :] if wants_logprobs else None
         delta_ids, state.unsent_ids = state.unsent_ids, []
-        state.tokens_sent = request.num_tokens - request.num_prompt_tokens  # (its output tokens)
+        state.tokens_sent = request.num_output_tokens
         if finished:  # the whole completion, assembled once
             text, token_ids, logprobs = "".join(state.sent), request.output_token_ids, list(request.logprobs)
         else:

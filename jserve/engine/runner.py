@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
 from jserve.engine.deferred_sampling import DeferredSampler
-from jserve.engine.input_batch import HAS_GRAMMAR, PROMPT_LEN, SCORES_PROMPT, InputBatch, constant_rows, padded
+from jserve.engine.input_batch import HAS_GRAMMAR, PROMPT_LEN, SCORES_PROMPT, InputBatch, padded
 from jserve.engine.progress import progress
 from jserve.engine.sampler import BIAS_WIDTH, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
@@ -95,7 +95,6 @@ class ModelRunner:
             for n in batch_sizes
         }
         self.prepare_s = 0.0  # host time building step inputs, for the engine's stats
-        self._constants: dict = {}  # inputs of features no row of a step uses, by (feature, bucket)
         self.batch = InputBatch(config.max_num_seqs, config.max_pages_per_seq, config.page_size, stop_ids)
         self.bitmask_filler = BitmaskFiller()
         seq_buckets = sorted({config.seq_bucket(bucket) for bucket in config.token_buckets})
@@ -301,7 +300,7 @@ class ModelRunner:
             deferred = constrained & in_flight & (proposes == 0) if self.defers_grammar else np.zeros_like(in_flight)
             constrained, deferred = padded(constrained & ~deferred, num_seqs), padded(deferred, num_seqs)
         else:
-            constrained = deferred = self._no_rows(num_seqs)
+            constrained = deferred = batch.constant(("no rows", num_seqs), lambda: np.zeros(num_seqs, bool))
         num_verify = cfg.verify_rows(bucket)
         bitmask, verify_bitmask = self._token_bitmasks(sequences, constrained, num_seqs, num_verify)
         return StepInput(
@@ -321,7 +320,7 @@ class ModelRunner:
         """A chunk of a prompt being scored scores each of its tokens' successor in the prompt."""
         scoring = np.flatnonzero(facts[:, SCORES_PROMPT])
         if not len(scoring):
-            return constant_rows(self._constants, ("no targets", bucket), lambda: np.full(bucket, -1, np.int32))
+            return self.batch.constant(("no targets", bucket), lambda: np.full(bucket, -1, np.int32))
         targets = np.full(bucket, -1, np.int32)
         for i in scoring:
             s, start = sequences[i], starts[i]
@@ -366,9 +365,6 @@ class ModelRunner:
         for i, r in proposing.items():
             rows[r], start[r], count[r] = i, verify_starts[i], len(sequences[i].drafts)
         return ProposingRows(rows, start, count)
-
-    def _no_rows(self, num_seqs: int) -> np.ndarray:
-        return constant_rows(self._constants, ("no rows", num_seqs), lambda: np.zeros(num_seqs, bool))
 
     def _token_bitmasks(
         self, sequences: list[ScheduledSequence], constrained: np.ndarray, num_seqs: int, num_verify: int

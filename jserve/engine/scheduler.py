@@ -133,7 +133,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
-            seq_len = request.num_tokens + request.num_pending
+            seq_len = request.seq_len
             if seq_len >= request.max_len:  # its last token is still in flight; it finishes when that is fetched
                 continue
             computed = request.num_computed_tokens
