@@ -9,8 +9,10 @@ and, where the engine reports them, the host time by phase. The engine thread ge
 and every other thread of the process (XLA's workers, which run the device's step) the others, as a GPU
 leaves the host its cores: XLA's CPU client runs a step on as many threads as there are cores, and on 2
 cores a step beside the engine thread would take CPU from it, counted as host time (`--no-pin` measures
-that instead). "step call ms" is the part of launch that is no jserve code: calling the compiled step alone
-(jit's handling of its ~270 input and ~80 output arrays, and XLA's launch), on an idle device.
+that instead). Start-up's objects are frozen out of the garbage collector's scans, as `jserve serve` and
+`LLM.generate` do (`--no-gc-freeze` leaves them in: a full collection then stalls a step now and then,
+170 ms at 256 running). "step call ms" is the part of launch that is no jserve code: calling the compiled
+step alone (jit's handling of its ~270 input and ~80 output arrays, and XLA's launch), on an idle device.
 `--baseline REV` runs the same measurement against the jserve of git revision REV (checked out in a temporary
 worktree) in a child process just before, and prints the ratio, so both sides share one machine and one run.
 `--rounds K` alternates the two sides K times (baseline, this, baseline, this, ...) and prints each round's
@@ -22,6 +24,7 @@ ratio and the median: on a noisy machine a drift between two back-to-back runs o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -67,8 +70,9 @@ def pin_threads() -> bool:
     return True
 
 
-def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool = True) -> dict:
-    """{N: {"host_ms": [...], "wall_ms": [...], "phases_ms": {phase: [...]}}} for one engine."""
+def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool = True, freeze: bool = True) -> dict:
+    """{N: {"host_ms": [...], "wall_ms": [...], "phases_ms": {phase: [...]}}} for one engine. `freeze`: keep the
+    garbage collector off the objects start-up built, as `jserve serve` does once its engine is up."""
     register_narrow_shape()
     from jserve import LLM, SamplingParams
 
@@ -76,6 +80,9 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
     llm = LLM(None if model == "default" else model, max_num_seqs=largest, max_model_len=1024,
               max_num_batched_tokens=max(512, largest), enable_prefix_caching=False)  # fmt: skip
     engine = llm.engine
+    if freeze:
+        gc.collect()
+        gc.freeze()
     rng = np.random.default_rng(0)
     results = {}
     for n in running:
@@ -109,6 +116,7 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
         results[n] = entry
     if pin:  # child processes (the baseline's) inherit the calling thread's cores
         os.sched_setaffinity(threading.get_native_id(), CORES)
+    gc.unfreeze()
     return results
 
 
@@ -127,7 +135,7 @@ def dispatch_ms(runner, num_seqs: int, calls: int = 50) -> list[float]:
     return times
 
 
-def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: int, pin: bool) -> dict:
+def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: int, pin: bool, freeze: bool) -> dict:
     """The same measurement in a child process importing jserve from a worktree of `rev`."""
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,7 +144,8 @@ def run_baseline(rev: str, model: str, running: list[int], steps: int, repeats: 
                        capture_output=True)  # fmt: skip
         try:
             command = [sys.executable, __file__, "--model", model, "--steps", str(steps), "--repeats", str(repeats),
-                       *([] if pin else ["--no-pin"]), "--json", "--running", *map(str, running)]  # fmt: skip
+                       *([] if pin else ["--no-pin"]),
+                       *([] if freeze else ["--no-gc-freeze"]), "--json", "--running", *map(str, running)]  # fmt: skip
             env = {**os.environ, "PYTHONPATH": str(tree)}
             out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
         finally:
@@ -190,21 +199,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per size; medians are printed")
     parser.add_argument("--no-pin", action="store_true",
                         help="leave threads unpinned: the device's work shares the engine thread's core")  # fmt: skip
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave start-up's objects in the garbage collector's full scans")  # fmt: skip
     parser.add_argument("--baseline", metavar="REV", help="also measure the jserve of this git revision")
     parser.add_argument("--rounds", type=int, default=1, help="with --baseline: alternate the two sides this often")
     parser.add_argument("--json", action="store_true", help="print the raw results as one JSON line")
     args = parser.parse_args()
-    pin = not args.no_pin
+    pin, freeze = not args.no_pin, not args.no_gc_freeze
     for model in args.model:
         if args.json:
-            print(json.dumps(measure(model, args.running, args.steps, args.repeats, pin)))
+            print(json.dumps(measure(model, args.running, args.steps, args.repeats, pin, freeze)))
             continue
         rounds = []
         for _ in range(args.rounds if args.baseline else 1):
             baseline = None
             if args.baseline:
-                baseline = run_baseline(args.baseline, model, args.running, args.steps, args.repeats, pin)
-            rounds.append((measure(model, args.running, args.steps, args.repeats, pin), baseline))
+                baseline = run_baseline(args.baseline, model, args.running, args.steps, args.repeats, pin, freeze)
+            rounds.append((measure(model, args.running, args.steps, args.repeats, pin, freeze), baseline))
         report(model, rounds, args.baseline)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jserve.engine.args import EngineArgs
+from jserve.heap import frozen_heap
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
@@ -149,14 +150,15 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         start, generated = time.perf_counter(), 0
-        while pending:
-            for out in self.engine.step():
-                if out.request_id in pending and out.finished:
-                    pending.discard(out.request_id)
-                    done[out.request_id] = out
-                    generated += sum(len(c.token_ids) for c in out.outputs)
-                    bar.update(1)
-                    bar.set_postfix(out_tok_s=f"{generated / (time.perf_counter() - start):.1f}")
+        with frozen_heap():  # no full garbage collection pausing the loop (jserve/heap.py)
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending and out.finished:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{generated / (time.perf_counter() - start):.1f}")
         bar.close()
         return [done[i] for i in ids]
 

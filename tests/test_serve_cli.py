@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,8 @@ def test_serve_reports_loading_then_drains_on_sigterm(tiny_llama_checkpoint):
             proc.kill()
     log = proc.stdout.read()
     assert "Draining" in log, log
+    # Once loaded, the process froze what start-up built out of the garbage collector's scans.
+    assert re.search(r"Froze [1-9]\d* start-up objects", log), log
 
 
 def test_a_stream_the_shutdown_timeout_cuts_ends_with_an_error_event(tiny_llama_checkpoint):

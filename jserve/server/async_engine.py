@@ -55,10 +55,12 @@ class EngineInfo:
 
 class AsyncEngine:
     def __init__(self, args: EngineArgs, metrics: ServerMetrics, chat_template: str | None = None,
-                 on_failure: Callable[[], None] | None = None):  # fmt: skip
+                 on_failure: Callable[[], None] | None = None, on_ready: Callable[[], None] | None = None):  # fmt: skip
+        """`on_failure`: called (on the engine thread) if the model fails to load; `on_ready`: once it has
+        loaded, before the engine takes requests."""
         self.args, self.metrics = args, metrics
         self.chat_template = chat_template
-        self.on_failure = on_failure
+        self.on_failure, self.on_ready = on_failure, on_ready
         self.state = EngineState.LOADING
         self.info: EngineInfo | None = None  # set once the model has loaded, before the state turns READY
         self.engine: LLMEngine | None = None  # touched by the engine thread only (tests inspect it)
@@ -142,6 +144,8 @@ class AsyncEngine:
             log.exception("The model failed to load")
             self._fail_load()
             return
+        if self.on_ready is not None:
+            self.on_ready()
         if self.state is EngineState.LOADING:
             self.state = EngineState.READY
         engine = self.engine

@@ -10,6 +10,7 @@ import threading
 import uvicorn
 
 from jserve.engine.args import EngineArgs
+from jserve.heap import freeze_startup_objects
 from jserve.server.app import ServerSettings, build_app
 from jserve.server.async_engine import AsyncEngine, EngineState
 
@@ -58,7 +59,10 @@ def serve(engine_args: EngineArgs, settings: ServerSettings, host: str = "127.0.
     def failed() -> None:
         server.should_exit = True
 
-    engine.on_failure = failed
+    def ready() -> None:  # this process serves the one engine for its life: what start-up built stays
+        log.info("Froze %d start-up objects out of the garbage collector's scans", freeze_startup_objects())
+
+    engine.on_failure, engine.on_ready = failed, ready
     log.info(
         "Serving '%s' on http://%s:%d (loading the model in the background)", settings.served_model_name, host, port
     )
