@@ -10,9 +10,10 @@ and every other thread of the process (XLA's workers, which run the device's ste
 leaves the host its cores: XLA's CPU client runs a step on as many threads as there are cores, and on 2
 cores a step beside the engine thread would take CPU from it, counted as host time (`--no-pin` measures
 that instead). Start-up's objects are frozen out of the garbage collector's scans, as `jserve serve` and
-`LLM.generate` do (`--no-gc-freeze` leaves them in: a full collection then stalls a step now and then,
-170 ms at 256 running). "step call ms" is the part of launch that is no jserve code: calling the compiled
-step alone (jit's handling of its ~270 input and ~80 output arrays, and XLA's launch), on an idle device.
+`LLM.generate` do (`--no-gc-freeze` leaves them in: a full collection then stalls a step now and then, 170
+ms at 256 running; "longest GC ms" is the longest collection in the timed steps). "step call ms" is the
+part of launch that is no jserve code: calling the compiled step alone (jit's handling of its input and
+output arrays, and XLA's launch), on an idle device.
 `--baseline REV` runs the same measurement against the jserve of git revision REV (checked out in a temporary
 worktree) in a child process just before, and prints the ratio, so both sides share one machine and one run.
 `--rounds K` alternates the two sides K times (baseline, this, baseline, this, ...) and prints each round's
@@ -24,6 +25,7 @@ ratio and the median: on a noisy machine a drift between two back-to-back runs o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -86,7 +88,7 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
     rng = np.random.default_rng(0)
     results = {}
     for n in running:
-        entry = {"host_ms": [], "wall_ms": [], "phases_ms": {}}
+        entry = {"host_ms": [], "wall_ms": [], "phases_ms": {}, "gc_ms": []}
         for _ in range(repeats):
             if pin and not pin_threads():
                 raise SystemExit("cannot pin threads here (needs Linux and 2 cores): run with --no-pin")
@@ -99,9 +101,11 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
             stats = engine.stats
             phases_before = dict(getattr(stats, "phase_s", {}))
             before, start = (stats.steps, stats.host_s), time.perf_counter()
-            for _ in range(steps):
-                engine.step()
+            with collections_timed() as pauses:
+                for _ in range(steps):
+                    engine.step()
             wall = time.perf_counter() - start
+            entry["gc_ms"] += pauses
             done = stats.steps - before[0]
             entry["host_ms"].append(1000 * (stats.host_s - before[1]) / done)
             entry["wall_ms"].append(1000 * wall / steps)
@@ -118,6 +122,24 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
         os.sched_setaffinity(threading.get_native_id(), CORES)
     gc.unfreeze()
     return results
+
+
+@contextlib.contextmanager
+def collections_timed():
+    """The milliseconds each garbage collection in the block took (they are part of the host time)."""
+    pauses, started = [], [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(1000 * (time.perf_counter() - started[0]))
+
+    gc.callbacks.append(timed)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(timed)
 
 
 def dispatch_ms(runner, num_seqs: int, calls: int = 50) -> list[float]:
@@ -162,7 +184,7 @@ def report(model: str, rounds: list[tuple[dict, dict | None]], rev: str | None) 
     the baseline's, each round's host-time ratio and their median."""
     current = rounds[-1][0]
     phases = sorted({p for entry in current.values() for p in entry["phases_ms"]})
-    head = ["running", "host ms/step", "wall ms/step", *(f"{p} ms" for p in phases), "step call ms"]
+    head = ["running", "host ms/step", "wall ms/step", *(f"{p} ms" for p in phases), "step call ms", "longest GC ms"]
     compared = rounds[0][1] is not None
     if compared:
         head += [f"{rev} host ms/step", f"{rev} wall ms/step", "host ratio"]
@@ -177,6 +199,7 @@ def report(model: str, rounds: list[tuple[dict, dict | None]], rev: str | None) 
         cells = [str(n), f"{across_rounds(0, n, 'host_ms'):.2f}", f"{across_rounds(0, n, 'wall_ms'):.2f}"]
         cells += [f"{median(entry['phases_ms'].get(p, [])):.2f}" for p in phases]
         cells.append(f"{median(entry.get('dispatch_ms', [])):.2f}")
+        cells.append(f"{max(entry.get('gc_ms', []), default=0.0):.2f}")
         if compared:
             ratios = [median(old[n]["host_ms"]) / median(new[n]["host_ms"]) for new, old in rounds]
             cells += [f"{across_rounds(1, n, 'host_ms'):.2f}", f"{across_rounds(1, n, 'wall_ms'):.2f}"]
