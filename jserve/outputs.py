@@ -1,4 +1,5 @@
-"""What generation returns, shaped like vLLM's outputs so users' code carries over."""
+"""What generation returns, shaped like vLLM's outputs so users' code carries over. Slotted dataclasses: the
+engine makes outputs for every running request every step, and slots make them smaller and quicker to read."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 from jserve.tools.calls import ToolCall
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int  # 1 = most likely under the model
@@ -18,7 +19,7 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None  # first admitted to the running batch
@@ -35,7 +36,7 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion as of one engine step. Every output carries what the step adds (`delta`,
     `delta_token_ids`, `delta_logprobs`), which is all a stream reads, so an output costs what it adds; the
@@ -62,7 +63,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

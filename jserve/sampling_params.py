@@ -28,7 +28,7 @@ MAX_STOP_LENGTH = 256  # characters
 SEED_RANGE = (-(2**63), 2**63 - 1)  # 64-bit, as vLLM takes it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling options of one request.
 

@@ -19,7 +19,7 @@ from jserve.outputs import CompletionOutput, Logprob
 from jserve.tokenizer import IncrementalDetokenizer, Tokenizer, incremental_detokenizer
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionState:
     """What of a request's completion its outputs have carried, and what waits for the next one."""
 

@@ -10,7 +10,7 @@ from jserve.engine.request import Request, RequestStatus
 from jserve.outputs import RequestMetrics, RequestOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class ParentRequest:
     request_id: str
     prompt: str | None

@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence to complete. Past its identity (set at construction, never written after), each field
     has one writer, named first in its comment (or in the comment above it); everyone else only reads it:

@@ -45,6 +45,8 @@ class ByteStream:
     """Byte-level BPE: each id's bytes into an incremental UTF-8 decoder (no left context needed). Ids past
     the tokenizer's vocabulary (models pad theirs) have no text, as in `decode`."""
 
+    __slots__ = ("_pieces", "_size", "_decode")  # one per running request, called every step
+
     def __init__(self, pieces: list[bytes]) -> None:
         self._pieces, self._size = pieces, len(pieces)
         self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode  # called once a token: bound once
