@@ -82,7 +82,7 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
     llm = LLM(None if model == "default" else model, max_num_seqs=largest, max_model_len=1024,
               max_num_batched_tokens=max(512, largest), enable_prefix_caching=False)  # fmt: skip
     engine = llm.engine
-    if freeze:
+    if freeze:  # (not jserve.heap's helper: a baseline revision may predate it, and this one unfreezes after)
         gc.collect()
         gc.freeze()
     rng = np.random.default_rng(0)

@@ -81,12 +81,16 @@ class KVManager:
             request.cache_node = self.cache.root(request.cache_salt)
         return self.reserve(request, num_tokens)
 
+    def holds(self, request: Request, num_tokens: int) -> bool:
+        """The request's pages already cover its first `num_tokens` tokens (most steps: no reserve needed)."""
+        return num_tokens <= len(request.pages) * self.page_size
+
     def reserve(self, request: Request, num_tokens: int) -> bool:
         """Pages for a running request's first `num_tokens` tokens, evicting unlocked cached pages if the
         free ones fall short; False (nothing allocated) when that is not enough."""
-        needed = -(-num_tokens // self.page_size) - len(request.pages)
-        if needed <= 0:
+        if self.holds(request, num_tokens):
             return True
+        needed = -(-num_tokens // self.page_size) - len(request.pages)
         if not self._can_allocate(needed):
             return False
         request.pages = np.concatenate([request.pages, self.pool.allocate(needed)])

@@ -129,7 +129,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
         speculating = self.speculation is not None and self.speculation.active(len(self.running))
-        i, reserve, running, page_size = 0, self.kv.reserve, self.running, self.config.page_size
+        i, reserve, holds, running = 0, self.kv.reserve, self.kv.holds, self.running
         while i < len(running) and budget > 0:
             request = running[i]
             i += 1
@@ -141,7 +141,7 @@ class Scheduler:
             drafts = self._extra_tokens(request, budget - n) if speculating else NO_DRAFTS
             if len(drafts) and not reserve(request, computed + n + len(drafts)):
                 drafts = NO_DRAFTS  # pages are short: no speculating
-            if computed + n > len(request.pages) * page_size:  # (most steps fit the pages a request holds)
+            if not holds(request, computed + n):  # (most steps fit the pages a request holds)
                 while not reserve(request, computed + n):
                     victim = running[-1]
                     self._preempt(victim)
