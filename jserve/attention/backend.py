@@ -87,19 +87,24 @@ class AttentionBackend:
 # arguments' shapes are the same): start-up tracing was mostly this, 30 times over. XLA inlines it again.
 @partial(jax.jit, static_argnames=("backend", "scale", "sliding_window", "soft_cap"))
 def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale, sliding_window, soft_cap):
-    pages = _write_kv(pages, k, v, meta.slot_mapping)
+    with jax.named_scope("kv_write"):  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
+        pages = _write_kv(pages, k, v, meta.slot_mapping)
+    with jax.named_scope("attention"):
+        return _attend_pages(q, pages, meta, backend, scale, sliding_window, soft_cap), pages
+
+
+def _attend_pages(q, pages: KVPages, meta: AttentionMetadata, backend, scale, sliding_window, soft_cap):
     kernel = _kernel_for(backend.kernel, pages.k)
     if kernel == Kernel.REFERENCE:
-        return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap), pages
+        return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if kernel == Kernel.CPU:
         attend = cpu_kernels.ragged_paged_attention
     else:
         attend = partial(_pallas_kernels(kernel).ragged_paged_attention, interpret=backend.interpret)
         if backend.num_cores is not None:
             attend = partial(attend, num_cores=backend.num_cores)
-    out = attend(q, pages.k, pages.v, meta.context_lens, meta.page_tables, meta.query_start_loc,
-                 scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
-    return out, pages
+    return attend(q, pages.k, pages.v, meta.context_lens, meta.page_tables, meta.query_start_loc,
+                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
 
 
 # Imported when first used: each pulls in its Pallas backend.

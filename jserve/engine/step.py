@@ -124,30 +124,34 @@ def engine_step(
     model_input = replace(step.model, token_ids=token_ids)
     params_tree = jax.tree_util.tree_unflatten(params_def, params)
     logits, hidden, head, kv_cache = forward_states(graphdef, params_tree, kv_cache, model_input, attention)
-    scores = score_positions(head, hidden, step.prompt_targets)
-    p = step.penalties
-    penalty_state = update_penalty_state(
-        penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
-    )
-    out = sample(logits, step.sampling, penalty_state)
-    verified = verify_drafts(head, hidden, step.verify, step.sampling, penalty_state)
+    with jax.named_scope("prompt_scores"):  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
+        scores = score_positions(head, hidden, step.prompt_targets)
+    with jax.named_scope("sampling"):
+        p = step.penalties
+        penalty_state = update_penalty_state(
+            penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
+        )
+        out = sample(logits, step.sampling, penalty_state)
+        verified = verify_drafts(head, hidden, step.verify, step.sampling, penalty_state)
     proposals = jnp.zeros((0, 0), jnp.int32)
     if proposer is not None:
-        proposer_kv = proposer.extend(proposer_params, proposer_kv, model_input, attention)
-        if step.proposing.rows.shape[0]:
-            proposals, proposer_kv = proposer.propose(
-                proposer_params, proposer_kv, attention, model_input, step.proposing, out.token_ids,
-                verified.token_ids, step.verify.positions, step.sampling,
-                lambda logits, batch: sample(logits, batch, penalty_state),
-            )  # fmt: skip
+        with jax.named_scope("proposer"):
+            proposer_kv = proposer.extend(proposer_params, proposer_kv, model_input, attention)
+            if step.proposing.rows.shape[0]:
+                proposals, proposer_kv = proposer.propose(
+                    proposer_params, proposer_kv, attention, model_input, step.proposing, out.token_ids,
+                    verified.token_ids, step.verify.positions, step.sampling,
+                    lambda logits, batch: sample(logits, batch, penalty_state),
+                )  # fmt: skip
     num_rows = out.token_ids.shape[0]
-    held = jax.lax.cond(  # (written in place: the carry is donated)
-        jnp.any(step.deferred),
-        lambda held: held.at[:num_rows].set(jnp.asarray(logits, jnp.float32)),
-        lambda held: held,
-        sampled.held_logits,
-    )
-    sampled = Sampled(sampled.token_ids.at[:num_rows].set(out.token_ids), held)
+    with jax.named_scope("sampling"):
+        held = jax.lax.cond(  # (written in place: the carry is donated)
+            jnp.any(step.deferred),
+            lambda held: held.at[:num_rows].set(jnp.asarray(logits, jnp.float32)),
+            lambda held: held,
+            sampled.held_logits,
+        )
+        sampled = Sampled(sampled.token_ids.at[:num_rows].set(out.token_ids), held)
     outputs = StepOutput(pack_samples(out), pack_samples(verified), proposals, scores)
     return outputs, kv_cache, proposer_kv, penalty_state, sampled
 

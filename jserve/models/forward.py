@@ -31,4 +31,6 @@ def forward_states(
     float32 logits (for scoring prompt tokens)."""
     model = nnx.merge(graphdef, params)
     hidden, kv_cache = model.hidden_states(batch, kv_cache, attention)
-    return model.logits(hidden[batch.logits_indices]), hidden, model.logits, kv_cache
+    with jax.named_scope("lm_head"):  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
+        logits = model.logits(hidden[batch.logits_indices])
+    return logits, hidden, model.logits, kv_cache
