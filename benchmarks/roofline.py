@@ -241,6 +241,8 @@ def main() -> None:
     parser.add_argument(
         "--probe-mib", type=int, default=None, help="bandwidth probe size (default 4096 on accelerators, 1024 on CPU)"
     )
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: what the timed steps need")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: most free memory)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -255,8 +257,8 @@ def main() -> None:
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               attention_backend=args.attention_backend, max_num_seqs=max(args.decode_batch),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.context + args.decode_steps + prefill_steps + 8,
-              enable_prefix_caching=False)  # fmt: skip
+              max_model_len=args.max_model_len or args.context + args.decode_steps + prefill_steps + 8,
+              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)  # fmt: skip
     cost = ModelCost.of(llm)
     roofs = [r for r in (spec_roof(device.device_kind), measured) if r]
     rng = np.random.default_rng(args.seed)

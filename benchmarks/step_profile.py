@@ -255,6 +255,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: what the traced steps need")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (default: most free memory)")
     parser.add_argument("--json", default=None, help="also write the profiles to this file")
     args = parser.parse_args()
 
@@ -264,7 +266,8 @@ def main() -> None:
     prefill_steps = -(-max(args.batch) * args.context // args.max_num_batched_tokens) + 2
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.batch),
               max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.context + args.steps + prefill_steps + 16, enable_prefix_caching=False)  # fmt: skip
+              max_model_len=args.max_model_len or args.context + args.steps + prefill_steps + 16,
+              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False)  # fmt: skip
     device = jax.devices()[0]
     print(f"{device.device_kind}; {args.model or 'default model'}, {llm.engine.model.dtype.name}, attention "
           f"{llm.engine.runner.attention.kernel}; context {args.context}")  # fmt: skip
