@@ -1,6 +1,6 @@
 """The summary of a benchmarks/gpu/run.sh run, as Markdown, from what its stages left in OUT.
 
-    python benchmarks/gpu/summary.py gpu-out > gpu-out/summary.md
+python benchmarks/gpu/summary.py gpu-out > gpu-out/summary.md
 """
 
 from __future__ import annotations
