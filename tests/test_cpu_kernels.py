@@ -123,6 +123,22 @@ def test_a_tokens_attention_does_not_depend_on_its_step():
     np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(together[0]))
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_tokens_attention_does_not_depend_on_its_chunk(window):
+    """A token gives the same bits as the last of a prefill chunk and as a decode of its own: its keys span
+    several key blocks (each attended apart, then merged), and which blocks its item spans must not matter."""
+    case = make_case([(16, 300)], heads=6, kv_heads=2, sliding_window=window, pad=False)
+    q, k, v, context_lens, page_tables, starts = case.kernel_args()
+    chunk = cpu_kernels.ragged_paged_attention(q, k, v, context_lens, page_tables, starts, scale=case.scale,
+                                               sliding_window=window or 0)  # fmt: skip
+    for back in (1, 9):  # the chunk's last token alone, and its 8th-from-last at the end of a shorter chunk
+        alone = cpu_kernels.ragged_paged_attention(
+            q[16 - back : 17 - back], k, v, context_lens - back + 1, page_tables, jnp.asarray([0, 1], jnp.int32),
+            scale=case.scale, sliding_window=window or 0,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(alone[0]), np.asarray(chunk[16 - back]))
+
+
 def test_all_padding_batch_is_zeros():
     case = make_case([(0, 0)])
     out = cpu_kernels.ragged_paged_attention(*case.kernel_args(), scale=case.scale)

@@ -3,9 +3,11 @@
 // XLA:CPU has no fused gather-matmul, so the plain-JAX reference copies every K/V block it gathers and then
 // reads it again. Here each key is read once, straight from its page. A work item is a block of up to
 // kQueryBlock query tokens of one sequence, with all their heads, so every page is read whole and in order;
-// it walks its causal key range a tile of kLanes keys at a time with an online softmax. Pages are float32
-// or bfloat16 (--kv-cache-dtype bfloat16: half the bytes to read; the math stays float32). Items are spread
-// over the kernels' worker threads (parallel.h). Measured against the reference: docs/benchmarks.md.
+// it walks its causal key range a tile of kLanes keys at a time with an online softmax, in key blocks of
+// fixed positions whose softmaxes are folded together in order (kKeyBlock). Pages are float32 or bfloat16
+// (--kv-cache-dtype bfloat16: half the bytes to read; the math stays float32). Items are spread over the
+// kernels' worker threads (parallel.h), and when there are fewer items than threads (a lone decode), their key
+// blocks are. Measured against the reference: docs/benchmarks.md.
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +28,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kQueryBlock = 16;  // query tokens of one sequence in one work item
+// Keys are attended in blocks at fixed positions ([0, kKeyBlock), [kKeyBlock, 2 kKeyBlock), ...), each block's
+// softmax apart, and the blocks folded together in key order (FoldBlock): so a row's result depends only on its
+// own keys, never on its step's other rows, sequences or chunking, whether its item's blocks run one after
+// another on one thread or, when there are fewer items than threads (a lone decode), spread over them.
+constexpr int kKeyBlock = 128;
 constexpr float kMaskValue = -1e30f;
 
 struct Problem {
@@ -44,7 +51,20 @@ struct Problem {
 
 struct WorkItem {
   int32_t seq, first, count;  // query tokens [first, first + count) of `seq`, every head
+  int64_t key_begin, key_end;  // the keys it attends: all the item's, or one key block of them
+  // Where it leaves its one block's partial result for MergeBlocks (rows * (dim + 2) floats: the unnormalised
+  // sum [rows][dim], the max [rows], the denominator [rows]), or -1: it attends all its keys and writes out.
+  int64_t partial;
 };
+
+// The attention output of each row: its folded sum over its denominator (zeros for a row that saw no key).
+__attribute__((noinline)) void WriteNormalised(int64_t rows, int64_t dim, const float* denom, const float* sum,
+                                               float* out) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float inv = denom[m] > 0.0f ? 1.0f / denom[m] : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) out[m * dim + d] = sum[m * dim + d] * inv;
+  }
+}
 
 // Portable SIMD through GCC/Clang vector extensions, a register wide: 16 float lanes with AVX-512, else 8
 // (AVX2's; on it, 16-lane vectors would be split in two and their cross-lane shuffles cost the kernel half
@@ -166,10 +186,36 @@ inline Vec Exp(Vec x) {
   return t < -126.0f ? Vec{} : (Vec)bits;
 }
 
+// Folds a key block's partial softmax (per row: its max, denominator and unnormalised weighted sum of values)
+// into the totals of the blocks before it. One function, never inlined, for both ways an item's blocks are run,
+// so the two give the same bits. A block a row cannot see (max kMaskValue, zeros) leaves the row's totals as
+// they were; folding into empty totals (kMaskValue, zeros) gives the block's own values. Rows a vector at a time
+// (their rescaling factors by Exp), each row's sum a vector of head_dim at a time.
+__attribute__((noinline)) void FoldBlock(int64_t rows, int64_t dim, const float* max, const float* denom,
+                                         const float* sum, float* total_max, float* total_denom, float* total_sum) {
+  for (int64_t first = 0; first < rows; first += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, rows - first);
+    Vec old_max = Vec{} + kMaskValue, block_max = Vec{} + kMaskValue;
+    for (int64_t i = 0; i < n; ++i) old_max[i] = total_max[first + i], block_max[i] = max[first + i];
+    const Vec new_max = old_max > block_max ? old_max : block_max;
+    const Vec keep = Exp(old_max - new_max), add = Exp(block_max - new_max);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t m = first + i;
+      total_denom[m] = total_denom[m] * keep[i] + denom[m] * add[i];
+      total_max[m] = new_max[i];
+      float* total = total_sum + m * dim;
+      const float* block = sum + m * dim;
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        *reinterpret_cast<Vec*>(total + d) = *reinterpret_cast<Vec*>(total + d) * keep[i] + LoadRow(block + d) * add[i];
+      }
+    }
+  }
+}
+
 // One item: rows m = (token i, query head h), m = i * heads + h, each a head_dim vector of kChunks * kLanes.
 // An item covers every head, so each page is read whole and in order (all KV heads of a slot are adjacent).
 template <int kChunks, typename Page>
-void Attend(const Problem& p, const WorkItem& w) {
+void Attend(const Problem& p, const WorkItem& w, float* partials) {
   const Page* k_pages = static_cast<const Page*>(p.k);
   const Page* v_pages = static_cast<const Page*>(p.v);
   const int64_t heads = p.heads, group = heads / p.kv_heads, rows = w.count * heads;
@@ -183,29 +229,33 @@ void Attend(const Problem& p, const WorkItem& w) {
   Vec* q = buffer.data();              // [rows][kChunks], scaled
   Vec* acc = q + rows * kChunks;       // [rows][kChunks]
   Vec* scores = acc + rows * kChunks;  // [rows]: the tile's scores, then probabilities
-  thread_local std::vector<float> stats, wide;
+  thread_local std::vector<float> stats, wide, totals;
   stats.assign(2 * rows, 0.0f);
   if (!std::is_same_v<Page, float>) wide.resize(2 * kLanes * slot_size);
-  float* running_max = stats.data();
+  float* running_max = stats.data();  // the current key block's
   float* denom = running_max + rows;
   for (int64_t m = 0; m < rows; ++m) running_max[m] = kMaskValue;
+  totals.assign(rows * (p.dim + 2), 0.0f);  // the blocks before it, folded: sum [rows][dim], max [rows], denom [rows]
+  float* total_sum = totals.data();
+  float* total_max = total_sum + rows * p.dim;
+  float* total_denom = total_max + rows;
+  for (int64_t m = 0; m < rows; ++m) total_max[m] = kMaskValue;
   const float* q_src = p.q + w.first * heads * p.dim;
   for (int64_t m = 0; m < rows; ++m) {
     for (int c = 0; c < kChunks; ++c) q[m * kChunks + c] = *reinterpret_cast<const Vec*>(q_src + m * p.dim + c * kLanes) * p.scale;
   }
   // Query token i sits at position context - (seq_end - token); it sees keys [position - window + 1, position].
-  const int64_t first_position = context - (seq_end - w.first), last = first_position + w.count - 1;
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_position - p.window + 1) : 0;
+  const int64_t first_position = context - (seq_end - w.first);
   auto slot_offset = [&](int64_t key) {
     return (int64_t(table[key / p.page_size]) * p.page_size + key % p.page_size) * slot_size;
   };
 
   const float* k_slots[kLanes];
   const float* v_slots[kLanes];
-  for (int64_t start = lo - lo % kLanes; start <= last; start += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, last + 1 - start);
+  for (int64_t start = w.key_begin; start < w.key_end; start += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, w.key_end - start);
     // The next tile is on another page, which no hardware prefetcher can guess: ask for it now.
-    for (int64_t key = start + kLanes; key < std::min<int64_t>(start + 2 * kLanes, last + 1); ++key) {
+    for (int64_t key = start + kLanes; key < std::min<int64_t>(start + 2 * kLanes, w.key_end); ++key) {
       const int64_t offset = slot_offset(key);
       for (int64_t f = 0; f < slot_size; f += 64 / sizeof(Page)) {
         __builtin_prefetch(k_pages + offset + f);
@@ -280,12 +330,38 @@ void Attend(const Problem& p, const WorkItem& w) {
         }
       }
     }
+    const bool block_ends = (start + kLanes) % kKeyBlock == 0 || start + kLanes >= w.key_end;
+    if (block_ends && w.partial < 0) {  // fold the block into the totals, and start the next afresh
+      FoldBlock(rows, p.dim, running_max, denom, reinterpret_cast<const float*>(acc), total_max, total_denom,
+                total_sum);
+      for (int64_t m = 0; m < rows; ++m) running_max[m] = kMaskValue, denom[m] = 0.0f;
+      std::fill(acc, acc + rows * kChunks, Vec{});
+    }
   }
-  float* dst = p.out + w.first * heads * p.dim;
-  for (int64_t m = 0; m < rows; ++m) {
-    const float inv = denom[m] > 0.0f ? 1.0f / denom[m] : 0.0f;
-    for (int c = 0; c < kChunks; ++c) *reinterpret_cast<Vec*>(dst + m * p.dim + c * kLanes) = acc[m * kChunks + c] * inv;
+  if (w.partial >= 0) {  // one key block of an item spread over threads: MergeBlocks folds it
+    float* part = partials + w.partial;
+    std::copy(reinterpret_cast<const float*>(acc), reinterpret_cast<const float*>(acc) + rows * p.dim, part);
+    std::copy(running_max, running_max + rows, part + rows * p.dim);
+    std::copy(denom, denom + rows, part + rows * (p.dim + 1));
+    return;
   }
+  WriteNormalised(rows, p.dim, total_denom, total_sum, p.out + w.first * heads * p.dim);
+}
+
+// The result of an item whose key blocks ran as items of their own: their partials (`blocks` of them, in key
+// order, from `part`) folded as Attend folds them.
+void MergeBlocks(const Problem& p, const WorkItem& w, const float* part, int64_t blocks) {
+  const int64_t rows = w.count * p.heads, dim = p.dim, size = rows * (dim + 2);
+  thread_local std::vector<float> totals;
+  totals.assign(rows * (dim + 2), 0.0f);
+  float* total_sum = totals.data();
+  float* total_max = total_sum + rows * dim;
+  float* total_denom = total_max + rows;
+  for (int64_t m = 0; m < rows; ++m) total_max[m] = kMaskValue;
+  for (int64_t b = 0; b < blocks; ++b, part += size) {
+    FoldBlock(rows, dim, part + rows * dim, part + rows * (dim + 1), part, total_max, total_denom, total_sum);
+  }
+  WriteNormalised(rows, dim, total_denom, total_sum, p.out + w.first * p.heads * dim);
 }
 
 // Head dims the kernel is compiled for (SUPPORTED_HEAD_DIMS in __init__.py; others take the reference).
@@ -294,14 +370,14 @@ bool Supported(int64_t dim) {
 }
 
 template <typename Page>
-void AttendItem(const Problem& p, const WorkItem& w) {
+void AttendItem(const Problem& p, const WorkItem& w, float* partials) {
   switch (p.dim) {
-    case 32: return Attend<32 / kLanes, Page>(p, w);
-    case 64: return Attend<64 / kLanes, Page>(p, w);
-    case 80: return Attend<80 / kLanes, Page>(p, w);
-    case 96: return Attend<96 / kLanes, Page>(p, w);
-    case 128: return Attend<128 / kLanes, Page>(p, w);
-    case 256: return Attend<256 / kLanes, Page>(p, w);
+    case 32: return Attend<32 / kLanes, Page>(p, w, partials);
+    case 64: return Attend<64 / kLanes, Page>(p, w, partials);
+    case 80: return Attend<80 / kLanes, Page>(p, w, partials);
+    case 96: return Attend<96 / kLanes, Page>(p, w, partials);
+    case 128: return Attend<128 / kLanes, Page>(p, w, partials);
+    case 256: return Attend<256 / kLanes, Page>(p, w, partials);
   }
 }
 
@@ -331,15 +407,46 @@ ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
   for (int32_t s = 0; s < seqs; ++s) {
     const int32_t begin = p.query_start_loc[s], end = p.query_start_loc[s + 1];
     for (int32_t first = begin; first < end; first += kQueryBlock) {
-      items.push_back({s, first, std::min(kQueryBlock, end - first)});
+      const int32_t count = std::min(kQueryBlock, end - first);
+      const int64_t first_position = p.context_lens[s] - (end - first), last = first_position + count - 1;
+      const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_position - p.window + 1) : 0;
+      items.push_back({s, first, count, lo - lo % kLanes, last + 1, -1});
     }
   }
-  // Longest first (prefill blocks before decodes), so no thread is left with a long item at the end.
+  // Fewer items than threads (a decode of a few sequences): their key blocks become items of their own, each
+  // leaving its partial result for MergeBlocks.
+  std::vector<WorkItem> spread;  // the items whose blocks run apart, each with its first block's partial
+  std::vector<int64_t> num_blocks;
+  int64_t partial_floats = 0;
+  if (int64_t(items.size()) < jserve::Workers::Get().NumThreads()) {
+    std::vector<WorkItem> blocks;
+    for (const WorkItem& w : items) {
+      const int64_t first_block = w.key_begin / kKeyBlock, last_block = (w.key_end - 1) / kKeyBlock;
+      if (w.key_end <= w.key_begin || first_block == last_block) {
+        blocks.push_back(w);
+        continue;
+      }
+      spread.push_back({w.seq, w.first, w.count, w.key_begin, w.key_end, partial_floats});
+      num_blocks.push_back(last_block - first_block + 1);
+      for (int64_t b = first_block; b <= last_block; ++b, partial_floats += int64_t(w.count) * heads * (dim + 2)) {
+        blocks.push_back({w.seq, w.first, w.count, std::max(w.key_begin, b * kKeyBlock),
+                          std::min(w.key_end, (b + 1) * kKeyBlock), partial_floats});
+      }
+    }
+    items.swap(blocks);
+  }
+  // Most query tokens first (prefill blocks before decodes), so no thread is left with a long item at the end.
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.count > b.count; });
   const int64_t real = std::clamp<int64_t>(p.query_start_loc[seqs], 0, tokens);
   std::memset(p.out + real * heads * dim, 0, (tokens - real) * heads * dim * sizeof(float));  // padding -> 0
   const auto attend = page_type == ffi::F32 ? AttendItem<float> : AttendItem<uint16_t>;
-  jserve::ParallelFor(items.size(), [&](int64_t i) { attend(p, items[i]); });
+  thread_local std::vector<float> partials;  // (per calling thread: XLA may run two calls at once)
+  if (partials.size() < size_t(partial_floats)) partials.resize(partial_floats);
+  float* partial = partials.data();
+  jserve::ParallelFor(items.size(), [&](int64_t i) { attend(p, items[i], partial); });
+  jserve::ParallelFor(spread.size(), [&](int64_t i) {
+    MergeBlocks(p, spread[i], partial + spread[i].partial, num_blocks[i]);
+  });
   return ffi::Error::Success();
 }
 

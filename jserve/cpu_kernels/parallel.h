@@ -36,6 +36,9 @@ class Workers {
     return *workers;
   }
 
+  // The threads a ParallelFor runs on: the workers and the caller.
+  int64_t NumThreads() const { return int64_t(threads_.size()) + 1; }
+
   // Runs body(i) for i in [0, count) on the calling thread and on the workers; returns when all are done.
   // Items are claimed from a shared counter, so a worker that is late (or descheduled) only means the
   // caller claims more. Concurrent callers (XLA may run two calls at once) get the workers in turn; one
