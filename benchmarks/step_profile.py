@@ -114,7 +114,9 @@ class OpTime:
 
 
 def device_ops(trace_dir: Path) -> tuple[list[OpTime], str]:
-    """The ops the device ran in the newest trace under trace_dir, and what they are ("kernels" or "thunks")."""
+    """The ops the device ran in the newest trace under trace_dir, and what they are ("kernels" or "thunks").
+    A kernel is named by its `hlo_op` where the trace gives one, else by its own name; kernels of other
+    executables than the engine's step (by their `hlo_module`, where given) are left out."""
     from jax.profiler import ProfileData
 
     path = max(trace_dir.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
@@ -123,16 +125,17 @@ def device_ops(trace_dir: Path) -> tuple[list[OpTime], str]:
     if devices:
         seen, ops = set(), []
         for plane in devices:
-            lines = list(plane.lines)
+            lines = [line for line in plane.lines if line.name not in ("XLA Modules", "Steps", "XLA TraceMe")]
             named = [line for line in lines if line.name == "XLA Ops"]
             for line in named or lines:
                 for event in line.events:
                     stats = dict(event.stats)
-                    name = stats.get("hlo_op")
-                    if name is None or (key := (event.start_ns, name)) in seen:
+                    module = str(stats.get("hlo_module", "engine_step"))
+                    name = str(stats.get("hlo_op", event.name))
+                    if "engine_step" not in module or (key := (event.start_ns, name)) in seen:
                         continue
                     seen.add(key)
-                    ops.append(OpTime(str(name), event.start_ns, event.duration_ns))
+                    ops.append(OpTime(name, event.start_ns, event.duration_ns))
         return ops, "kernels"
     ops = []
     for plane in data.planes:
@@ -168,21 +171,26 @@ class Profile:
     idle_ms: float  # per step: the traced stretch minus busy
     kinds: dict[str, tuple[float, int]] = field(default_factory=dict)  # kind: (ms per step, ops per step)
     top: list[tuple[str, str, float, str]] = field(default_factory=list)  # (op, kind, ms per step, op_name)
-    unmatched: int = 0  # ops not found in the step's HLO (other executables)
+    unmatched: int = 0  # ops neither in the step's HLO nor known library kernels (other executables)
+    unmatched_names: list[str] = field(default_factory=list)  # the longest-running of them
 
 
 def reduce_trace(ops: list[OpTime], kinds: dict[str, Op], steps: int, wall_s: float, batch: int) -> Profile:
-    named = [(_hlo_name(op.name, kinds), op) for op in ops]
-    known = [(name, op) for name, op in named if name is not None and kinds[name].opcode not in CONTROL_FLOW]
+    named = [(_kind_of(op.name, kinds), op) for op in ops]
+    known = [(named_kind, op) for named_kind, op in named if named_kind is not None]
+    unknown, unmatched = collections.Counter(), 0
+    for named_kind, op in named:
+        if named_kind is None and _hlo_name(op.name, kinds) is None:  # (control flow is known, and not counted)
+            unknown[op.name] += op.duration_ns
+            unmatched += 1
     span = (max(o.start_ns + o.duration_ns for _, o in known) - min(o.start_ns for _, o in known)) if known else 0
     busy = _busy_ns([o for _, o in known])
     by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    by_op: dict[str, int] = collections.defaultdict(int)
-    for name, op in known:
-        entry = by_kind[kinds[name].kind]
-        entry[0] += op.duration_ns
-        entry[1] += 1
-        by_op[name] += op.duration_ns
+    by_op: dict[tuple[str, str], int] = collections.defaultdict(int)
+    for (name, kind), op in known:
+        by_kind[kind][0] += op.duration_ns
+        by_kind[kind][1] += 1
+        by_op[name, kind] += op.duration_ns
     per_step = 1e6 * steps
     top = sorted(by_op.items(), key=lambda item: -item[1])[:12]
     return Profile(
@@ -192,17 +200,33 @@ def reduce_trace(ops: list[OpTime], kinds: dict[str, Op], steps: int, wall_s: fl
         busy / per_step,
         (span - busy) / per_step,
         {kind: (by_kind[kind][0] / per_step, by_kind[kind][1] / steps) for kind in KINDS if kind in by_kind},
-        [(name, kinds[name].kind, ns / per_step, kinds[name].op_name[-80:]) for name, ns in top],
-        sum(name is None for name, _ in named),
+        [(name, kind, ns / per_step, kinds[name].op_name[-80:] if name in kinds else "") for (name, kind), ns in top],
+        unmatched,
+        [name for name, _ in unknown.most_common(5)],
     )
 
 
+# Kernels a trace may name by themselves rather than by their HLO op: libraries' GEMMs, attention kernels, copies.
+LIBRARY_KERNELS = ((re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|gmma", re.IGNORECASE), "matmul"),
+                   (re.compile(r"attention", re.IGNORECASE), "attention"),
+                   (re.compile(r"memcpy|memset", re.IGNORECASE), "copy"))  # fmt: skip
+
+
 def _hlo_name(name: str, kinds: dict[str, Op]) -> str | None:
-    """The HLO instruction an op event is of (CPU thunks of cloned branches carry a `.clone` suffix or not)."""
-    for candidate in (name, name.removesuffix(".clone"), name + ".clone"):
+    """The HLO instruction an op event is of: CPU thunks of cloned branches carry a `.clone` suffix or not, and
+    GPU kernels may be named after their instruction with `_` for its `.`."""
+    for candidate in (name, name.removesuffix(".clone"), name + ".clone", re.sub(r"_(\d+)$", r".\1", name)):
         if candidate in kinds:
             return candidate
     return None
+
+
+def _kind_of(name: str, kinds: dict[str, Op]) -> tuple[str, str] | None:
+    """(the op's name in the table, its kind), or None for an op this step's HLO and the library patterns
+    do not know."""
+    if (hlo := _hlo_name(name, kinds)) is not None:
+        return (hlo, kinds[hlo].kind) if kinds[hlo].opcode not in CONTROL_FLOW else None
+    return next(((name, kind) for pattern, kind in LIBRARY_KERNELS if pattern.search(name)), None)
 
 
 def profile_decode(llm: LLM, batch: int, context: int, steps: int, rng) -> Profile:
@@ -238,6 +262,8 @@ def print_profile(profile: Profile, what: str) -> None:
     print(f"\ndecode batch {profile.batch}: {profile.steps} steps traced, {profile.wall_ms:.2f} ms/step on the host's "
           f"clock (tracing included); device busy {profile.busy_ms:.2f} ms/step, idle {profile.idle_ms:.2f} ms/step; "
           f"{profile.unmatched} ops of other executables left out")  # fmt: skip
+    if profile.unmatched_names:
+        print(f"(the longest of those: {', '.join(profile.unmatched_names)})")
     print(f"| kind | ms/step | share | {what}/step |\n| --- | --- | --- | --- |")
     total = sum(ms for ms, _ in profile.kinds.values()) or 1.0
     for kind, (ms, count) in profile.kinds.items():
