@@ -8,6 +8,7 @@ is the program `benchmarks/roofline.py --model random:llama3-8b` runs on a GPU.
 """
 
 import dataclasses
+import re
 from dataclasses import replace
 from functools import partial
 
@@ -85,10 +86,17 @@ def test_an_8b_step_lowers_for_the_accelerator(runner, platform, quantization):
     backend_platform, kernel_call = PLATFORMS[platform]
     attention = resolve_attention_backend("auto", platform=backend_platform)
     assert attention.kernel == f"pallas-{backend_platform}" and not attention.interpret
+    config = MODEL_SHAPES["llama3-8b"]
     for text in lower_step(runner, platform, attention, quantization):
         assert kernel_call in text
         assert "jserve_" not in text  # no C++ kernel (K/V write, int8 projection, attention) off the CPU
         assert ("xi8>" in text) == (quantization != "none")  # int8 weights stay int8 on the device
+        # The K/V pages (the target's and the draft's) are donated: each aliases a result, which XLA can then
+        # write in place instead of copying tens of gigabytes a step.
+        main = re.search(r"func\.func public @main\((.*?)\) ->", text, re.S).group(1)
+        page = f"x{runner.config.page_size}x{config.num_kv_heads}x{config.head_dim}x"
+        pages = re.findall(rf"%arg\d+: tensor<\d+{page}[a-z0-9]+>( \{{[^}}]*\}})?", main)
+        assert len(pages) == 4 and all("tf.aliasing_output" in attrs for attrs in pages)
 
 
 @pytest.mark.parametrize("dtype,kernel_call", [(jnp.bfloat16, MOSAIC_GPU_CALL), (jnp.float32, TRITON_CALL)])
