@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Before a GPU call: on a machine with the package index, put what benchmarks/gpu/run.sh needs on a GPU machine
-# that cannot reach one into folders the call carries (each ignored by git, via .git/info/exclude):
+# that cannot reach one into folders the call carries (each in .gitignore: a call carries ignored folders only
+# when told to):
 #   .whl/          wheels of jserve's dependencies a JAX + PyTorch GPU image lacks (gguf, starlette, uvicorn,
 #                  llguidance), for Python 3.12 on x86-64 Linux (PYTHON_VERSION to change it)
 #   .gpu-cache/    a JSERVE_CACHE holding the default model's tokenizer, which random-weight models borrow
@@ -16,10 +17,6 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-python3}"
 PYTHON_VERSION="${PYTHON_VERSION:-3.12}"
-
-for folder in .whl .gpu-cache .gpu-model-1 .gpu-model-2; do
-  grep -qx "/$folder/" .git/info/exclude 2>/dev/null || echo "/$folder/" >> .git/info/exclude
-done
 
 rm -rf .whl && mkdir .whl
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
