@@ -52,9 +52,29 @@ struct Problem {
 struct WorkItem {
   int32_t seq, first, count;  // query tokens [first, first + count) of `seq`, every head
   int64_t key_begin, key_end;  // the keys it attends: all the item's, or one key block of them
-  // Where it leaves its one block's partial result for MergeBlocks (rows * (dim + 2) floats: the unnormalised
-  // sum [rows][dim], the max [rows], the denominator [rows]), or -1: it attends all its keys and writes out.
+  // Where it leaves its one block's partial result (a SoftmaxState) for MergeBlocks, or -1: it attends all its
+  // keys and writes out.
   int64_t partial;
+};
+
+// Softmax state of rows (a key block's partial, or the fold of blocks so far) in one buffer of rows * (dim + 2)
+// floats: the unnormalised weighted sum of values [rows][dim], the max [rows], the denominator [rows].
+struct SoftmaxState {
+  float* sum;
+  float* max;
+  float* denom;
+
+  static int64_t Size(int64_t rows, int64_t dim) { return rows * (dim + 2); }
+  static SoftmaxState In(float* buffer, int64_t rows, int64_t dim) {
+    return {buffer, buffer + rows * dim, buffer + rows * (dim + 1)};
+  }
+  // Nothing seen yet: what folding a first block into gives back that block's own values.
+  static SoftmaxState Empty(std::vector<float>& buffer, int64_t rows, int64_t dim) {
+    buffer.assign(Size(rows, dim), 0.0f);
+    SoftmaxState state = In(buffer.data(), rows, dim);
+    std::fill(state.max, state.max + rows, kMaskValue);
+    return state;
+  }
 };
 
 // The attention output of each row: its folded sum over its denominator (zeros for a row that saw no key).
@@ -191,22 +211,22 @@ inline Vec Exp(Vec x) {
 // so the two give the same bits. A block a row cannot see (max kMaskValue, zeros) leaves the row's totals as
 // they were; folding into empty totals (kMaskValue, zeros) gives the block's own values. Rows a vector at a time
 // (their rescaling factors by Exp), each row's sum a vector of head_dim at a time.
-__attribute__((noinline)) void FoldBlock(int64_t rows, int64_t dim, const float* max, const float* denom,
-                                         const float* sum, float* total_max, float* total_denom, float* total_sum) {
+__attribute__((noinline)) void FoldBlock(int64_t rows, int64_t dim, const SoftmaxState& block,
+                                         const SoftmaxState& total) {
   for (int64_t first = 0; first < rows; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, rows - first);
     Vec old_max = Vec{} + kMaskValue, block_max = Vec{} + kMaskValue;
-    for (int64_t i = 0; i < n; ++i) old_max[i] = total_max[first + i], block_max[i] = max[first + i];
+    for (int64_t i = 0; i < n; ++i) old_max[i] = total.max[first + i], block_max[i] = block.max[first + i];
     const Vec new_max = old_max > block_max ? old_max : block_max;
     const Vec keep = Exp(old_max - new_max), add = Exp(block_max - new_max);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t m = first + i;
-      total_denom[m] = total_denom[m] * keep[i] + denom[m] * add[i];
-      total_max[m] = new_max[i];
-      float* total = total_sum + m * dim;
-      const float* block = sum + m * dim;
+      total.denom[m] = total.denom[m] * keep[i] + block.denom[m] * add[i];
+      total.max[m] = new_max[i];
+      float* sum = total.sum + m * dim;
+      const float* block_sum = block.sum + m * dim;
       for (int64_t d = 0; d < dim; d += kLanes) {
-        *reinterpret_cast<Vec*>(total + d) = *reinterpret_cast<Vec*>(total + d) * keep[i] + LoadRow(block + d) * add[i];
+        *reinterpret_cast<Vec*>(sum + d) = *reinterpret_cast<Vec*>(sum + d) * keep[i] + LoadRow(block_sum + d) * add[i];
       }
     }
   }
@@ -235,11 +255,8 @@ void Attend(const Problem& p, const WorkItem& w, float* partials) {
   float* running_max = stats.data();  // the current key block's
   float* denom = running_max + rows;
   for (int64_t m = 0; m < rows; ++m) running_max[m] = kMaskValue;
-  totals.assign(rows * (p.dim + 2), 0.0f);  // the blocks before it, folded: sum [rows][dim], max [rows], denom [rows]
-  float* total_sum = totals.data();
-  float* total_max = total_sum + rows * p.dim;
-  float* total_denom = total_max + rows;
-  for (int64_t m = 0; m < rows; ++m) total_max[m] = kMaskValue;
+  const SoftmaxState total = SoftmaxState::Empty(totals, rows, p.dim);  // the blocks before the current one
+  const SoftmaxState block{reinterpret_cast<float*>(acc), running_max, denom};
   const float* q_src = p.q + w.first * heads * p.dim;
   for (int64_t m = 0; m < rows; ++m) {
     for (int c = 0; c < kChunks; ++c) q[m * kChunks + c] = *reinterpret_cast<const Vec*>(q_src + m * p.dim + c * kLanes) * p.scale;
@@ -332,36 +349,31 @@ void Attend(const Problem& p, const WorkItem& w, float* partials) {
     }
     const bool block_ends = (start + kLanes) % kKeyBlock == 0 || start + kLanes >= w.key_end;
     if (block_ends && w.partial < 0) {  // fold the block into the totals, and start the next afresh
-      FoldBlock(rows, p.dim, running_max, denom, reinterpret_cast<const float*>(acc), total_max, total_denom,
-                total_sum);
+      FoldBlock(rows, p.dim, block, total);
       for (int64_t m = 0; m < rows; ++m) running_max[m] = kMaskValue, denom[m] = 0.0f;
       std::fill(acc, acc + rows * kChunks, Vec{});
     }
   }
   if (w.partial >= 0) {  // one key block of an item spread over threads: MergeBlocks folds it
-    float* part = partials + w.partial;
-    std::copy(reinterpret_cast<const float*>(acc), reinterpret_cast<const float*>(acc) + rows * p.dim, part);
-    std::copy(running_max, running_max + rows, part + rows * p.dim);
-    std::copy(denom, denom + rows, part + rows * (p.dim + 1));
+    const SoftmaxState part = SoftmaxState::In(partials + w.partial, rows, p.dim);
+    std::copy(block.sum, block.sum + rows * p.dim, part.sum);
+    std::copy(block.max, block.max + rows, part.max);
+    std::copy(block.denom, block.denom + rows, part.denom);
     return;
   }
-  WriteNormalised(rows, p.dim, total_denom, total_sum, p.out + w.first * heads * p.dim);
+  WriteNormalised(rows, p.dim, total.denom, total.sum, p.out + w.first * heads * p.dim);
 }
 
 // The result of an item whose key blocks ran as items of their own: their partials (`blocks` of them, in key
 // order, from `part`) folded as Attend folds them.
-void MergeBlocks(const Problem& p, const WorkItem& w, const float* part, int64_t blocks) {
-  const int64_t rows = w.count * p.heads, dim = p.dim, size = rows * (dim + 2);
+void MergeBlocks(const Problem& p, const WorkItem& w, float* part, int64_t blocks) {
+  const int64_t rows = w.count * p.heads, dim = p.dim, size = SoftmaxState::Size(rows, dim);
   thread_local std::vector<float> totals;
-  totals.assign(rows * (dim + 2), 0.0f);
-  float* total_sum = totals.data();
-  float* total_max = total_sum + rows * dim;
-  float* total_denom = total_max + rows;
-  for (int64_t m = 0; m < rows; ++m) total_max[m] = kMaskValue;
+  const SoftmaxState total = SoftmaxState::Empty(totals, rows, dim);
   for (int64_t b = 0; b < blocks; ++b, part += size) {
-    FoldBlock(rows, dim, part + rows * dim, part + rows * (dim + 1), part, total_max, total_denom, total_sum);
+    FoldBlock(rows, dim, SoftmaxState::In(part, rows, dim), total);
   }
-  WriteNormalised(rows, dim, total_denom, total_sum, p.out + w.first * p.heads * dim);
+  WriteNormalised(rows, dim, total.denom, total.sum, p.out + w.first * p.heads * dim);
 }
 
 // Head dims the kernel is compiled for (SUPPORTED_HEAD_DIMS in __init__.py; others take the reference).
@@ -428,7 +440,7 @@ ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
       }
       spread.push_back({w.seq, w.first, w.count, w.key_begin, w.key_end, partial_floats});
       num_blocks.push_back(last_block - first_block + 1);
-      for (int64_t b = first_block; b <= last_block; ++b, partial_floats += int64_t(w.count) * heads * (dim + 2)) {
+      for (int64_t b = first_block; b <= last_block; ++b, partial_floats += SoftmaxState::Size(int64_t(w.count) * heads, dim)) {
         blocks.push_back({w.seq, w.first, w.count, std::max(w.key_begin, b * kKeyBlock),
                           std::min(w.key_end, (b + 1) * kKeyBlock), partial_floats});
       }
