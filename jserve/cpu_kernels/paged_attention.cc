@@ -273,8 +273,8 @@ void Attend(const Problem& p, const WorkItem& w, float* partials) {
   for (int64_t start = w.key_begin; start < w.key_end; start += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, w.key_end - start);
     // Later tiles are on other pages, which no hardware prefetcher can guess: ask for the one kPrefetchTiles
-    // ahead now, into L2 (a core keeps more misses in flight to L2 than to L1: 1.2-1.6x the GB/s of asking
-    // for the next tile into L1, docs/benchmarks.md).
+    // ahead now, into L2 (a core keeps more misses in flight to L2 than to L1: 1.04-1.53x the GB/s of asking
+    // for the next tile into L1 in decode from memory, docs/benchmarks.md).
     const int64_t ahead = start + kPrefetchTiles * kLanes;
     for (int64_t key = ahead; key < std::min<int64_t>(ahead + kLanes, w.key_end); ++key) {
       const int64_t offset = slot_offset(key);
