@@ -16,6 +16,10 @@ part of launch that is no jserve code: calling the compiled step alone (jit's ha
 output arrays, and XLA's launch), on an idle device.
 `--baseline REV` runs the same measurement against the jserve of git revision REV (checked out in a temporary
 worktree) in a child process just before, and prints the ratio, so both sides share one machine and one run.
+`--pair-continuation K` instead compares two ways of building a step's inputs in one engine: K pairs of
+blocks of `--steps` steps, one block with every step built afresh and one continuing the step before where
+it can (engine/decode_continuation.py), in alternating order; it prints each side's median and the median of
+the pairs' ratios (two sides one process apart drift less than two processes apart).
 `--rounds K` alternates the two sides K times (baseline, this, baseline, this, ...) and prints each round's
 ratio and the median: on a noisy machine a drift between two back-to-back runs otherwise reads as a ratio.
 
@@ -124,6 +128,61 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
     return results
 
 
+def measure_paired(model: str, running: list[int], steps: int, pairs: int, pin: bool = True) -> None:
+    """Host ms/step with every step's inputs built afresh against continued decode steps, paired by block in
+    one engine (see --pair-continuation)."""
+    register_narrow_shape()
+    from jserve import LLM, SamplingParams
+
+    largest = max(running)
+    llm = LLM(None if model == "default" else model, max_num_seqs=largest, max_model_len=2048,
+              max_num_batched_tokens=max(512, largest), enable_prefix_caching=False)  # fmt: skip
+    engine, runner = llm.engine, llm.engine.runner
+    launch = runner.launch
+
+    def afresh(sequences):  # no continuation to continue: the step is built from the requests
+        runner._continuation = None
+        return launch(sequences)
+
+    gc.collect()
+    gc.freeze()
+    rng = np.random.default_rng(0)
+    print(
+        f"\n{model}: host ms/step, {pairs} pairs of {steps}-step blocks\n| running | built afresh | continued | "
+        "ratio (median of pairs) | continued faster in |\n| --- | --- | --- | --- | --- |"
+    )
+    for n in running:
+        if pin and not pin_threads():
+            raise SystemExit("cannot pin threads here (needs Linux and 2 cores): run with --no-pin")
+        params = SamplingParams(temperature=0, max_tokens=2 * pairs * (steps + 1) + 64, ignore_eos=True)
+        ids = [engine.add_request(rng.integers(100, 20000, PROMPT_LEN).tolist(), params) for _ in range(n)]
+        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()
+        host = {"afresh": [], "continued": []}
+        for pair in range(pairs):
+            for side in ("afresh", "continued") if pair % 2 == 0 else ("continued", "afresh"):
+                runner.launch = afresh if side == "afresh" else launch
+                engine.step()  # (the block's first step may still continue, or not, the one before)
+                before = (engine.stats.steps, engine.stats.host_s)
+                for _ in range(steps):
+                    engine.step()
+                host[side].append(1000 * (engine.stats.host_s - before[1]) / (engine.stats.steps - before[0]))
+        runner.launch = launch
+        ratios = [a / c for a, c in zip(host["afresh"], host["continued"], strict=True)]
+        faster = sum(r > 1 for r in ratios)
+        print(
+            f"| {n} | {median(host['afresh']):.2f} | {median(host['continued']):.2f} | {median(ratios):.2f}x "
+            f"| {faster} of {pairs} |"
+        )
+        for request_id in ids:
+            engine.abort_request(request_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+    if pin:
+        os.sched_setaffinity(threading.get_native_id(), CORES)
+    gc.unfreeze()
+
+
 @contextlib.contextmanager
 def collections_timed():
     """The milliseconds each garbage collection in the block took (they are part of the host time)."""
@@ -227,9 +286,14 @@ def main() -> None:
     parser.add_argument("--baseline", metavar="REV", help="also measure the jserve of this git revision")
     parser.add_argument("--rounds", type=int, default=1, help="with --baseline: alternate the two sides this often")
     parser.add_argument("--json", action="store_true", help="print the raw results as one JSON line")
+    parser.add_argument("--pair-continuation", type=int, metavar="K",
+                        help="compare steps built afresh with continued decode steps, K pairs of blocks")  # fmt: skip
     args = parser.parse_args()
     pin, freeze = not args.no_pin, not args.no_gc_freeze
     for model in args.model:
+        if args.pair_continuation:
+            measure_paired(model, args.running, args.steps, args.pair_continuation, pin)
+            continue
         if args.json:
             print(json.dumps(measure(model, args.running, args.steps, args.repeats, pin, freeze)))
             continue

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jserve.attention import SequenceChunk, allocate_kv_cache, build_model_input, resolve_attention_backend
 from jserve.engine.config import EngineConfig
+from jserve.engine.decode_continuation import DecodeContinuation, Places, check_same_inputs
 from jserve.engine.deferred_sampling import DeferredSampler
 from jserve.engine.input_batch import HAS_GRAMMAR, PROMPT_LEN, SCORES_PROMPT, InputBatch, padded
 from jserve.engine.progress import progress
@@ -80,6 +81,7 @@ class ModelRunner:
         self.proposer_params = proposer.params if proposer else []
         self.executables: dict[int, jax.stages.Compiled] = {}
         self.packings: dict[int, StepPacking] = {}  # by bucket: how its step's host arrays travel
+        self.places: dict[int, Places] = {}  # by bucket: the inputs a continued decode step advances
         # Steps without a grammar share one all-ones bitmask per batch size: never written, so a step still
         # reading it on the device cannot see a later step's mask.
         batch_sizes = {config.seq_bucket(bucket) for bucket in config.token_buckets}
@@ -96,6 +98,7 @@ class ModelRunner:
         }
         self.prepare_s = 0.0  # host time building step inputs, for the engine's stats
         self.batch = InputBatch(config.max_num_seqs, config.max_pages_per_seq, config.page_size, stop_ids)
+        self._continuation: DecodeContinuation | None = None  # the last launch, if the next may continue it
         self.bitmask_filler = BitmaskFiller()
         seq_buckets = sorted({config.seq_bucket(bucket) for bucket in config.token_buckets})
         self.deferred = DeferredSampler(seq_buckets, model.config.vocab_size, self.input_sharding, self.bitmask_filler)
@@ -123,6 +126,7 @@ class ModelRunner:
                 if self.broadcast:  # every bucket's broadcast compiles now too, and the channel is proven
                     self._exchange(bucket, step)
                 packing = self.packings[bucket] = StepPacking.of(step)
+                self.places[bucket] = Places.of(packing, step)
                 lowered = self.step_fn.lower(
                     self.model.graphdef, self.attention, self.params_def, self.proposer, packing, self.params,
                     self.proposer_params, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled,
@@ -180,12 +184,26 @@ class ModelRunner:
         """Dispatch one step and return at once: its outputs are device arrays until fetched (with its host
         inputs). Reads the requests' pending rows, so it runs before the engine marks new ones."""
         start = time.perf_counter()
-        bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
-        step = self.prepare(sequences, bucket)
+        last, self._continuation = self._continuation, None  # (a launch that fails leaves none)
+        continued = last.next(sequences, self.batch) if last is not None else None
+        if continued is not None:
+            bucket = last.bucket
+            step, packed, continuation = continued
+            if self.config.debug_checks:
+                built = self.prepare(sequences, bucket)
+                check_same_inputs((step, packed), (built, self.packings[bucket].pack(built)))
+        else:
+            bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
+            step = self.prepare(sequences, bucket)
+            packed = self.packings[bucket].pack(step)
+            facts = self.batch.facts[[s.request.slot for s in sequences]]
+            continuation = DecodeContinuation.of(sequences, bucket, step, packed, facts, self.places[bucket])
         self.prepare_s += time.perf_counter() - start
         if self.broadcast:
             self.broadcast.send(bucket, step)
-        return self._execute(bucket, step), step
+        output = self._execute(bucket, step, packed)
+        self._continuation = continuation
+        return output, step
 
     @property
     def defers_grammar(self) -> bool:
@@ -204,10 +222,11 @@ class ModelRunner:
         self.mask_fill_s.append(time.perf_counter() - start)
         return out
 
-    def _execute(self, bucket: int, step: StepInput) -> StepOutput:
+    def _execute(self, bucket: int, step: StepInput, packed: PackedStep | None = None) -> StepOutput:
+        """Run the bucket's executable on a step's inputs (`packed`: packed already)."""
         out, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled = self.executables[bucket](
             self.params, self.proposer_params, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled,
-            self._placed(self.packings[bucket].pack(step)),
+            self._placed(packed if packed is not None else self.packings[bucket].pack(step)),
         )  # fmt: skip
         return out
 
