@@ -99,6 +99,7 @@ class ModelRunner:
         self.prepare_s = 0.0  # host time building step inputs, for the engine's stats
         self.batch = InputBatch(config.max_num_seqs, config.max_pages_per_seq, config.page_size, stop_ids)
         self._continuation: DecodeContinuation | None = None  # the last launch, if the next may continue it
+        self.continued_steps = 0  # steps launched from the step before's arrays (decode_continuation.py)
         self.bitmask_filler = BitmaskFiller()
         seq_buckets = sorted({config.seq_bucket(bucket) for bucket in config.token_buckets})
         self.deferred = DeferredSampler(seq_buckets, model.config.vocab_size, self.input_sharding, self.bitmask_filler)
@@ -189,6 +190,7 @@ class ModelRunner:
         if continued is not None:
             bucket = last.bucket
             step, packed, continuation = continued
+            self.continued_steps += 1
             if self.config.debug_checks:
                 built = self.prepare(sequences, bucket)
                 check_same_inputs((step, packed), (built, self.packings[bucket].pack(built)))
