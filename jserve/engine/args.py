@@ -114,7 +114,8 @@ class EngineArgs:
         os.environ.get(DEBUG_CHECKS_ENV) == "1",
         "fail on any compilation after warm-up, and whenever the engine goes idle check that every sequence "
         "slot and KV page came back and the prefix cache keeps its invariants (a walk of the whole cache, up to "
-        f"~165 ms on a full one: for tests, not serving). Default: on where {DEBUG_CHECKS_ENV}=1",
+        "~165 ms on a full one: for tests, not serving), and build each decode step continued from the one before "
+        f"afresh too, to compare. Default: on where {DEBUG_CHECKS_ENV}=1",
     )
 
     def __post_init__(self):
