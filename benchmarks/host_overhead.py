@@ -76,16 +76,40 @@ def pin_threads() -> bool:
     return True
 
 
+def make_engine(model: str, running: list[int], max_model_len: int):
+    """An engine for the largest running count, prefix caching off (every prompt is computed)."""
+    register_narrow_shape()
+    from jserve import LLM
+
+    largest = max(running)
+    llm = LLM(None if model == "default" else model, max_num_seqs=largest, max_model_len=max_model_len,
+              max_num_batched_tokens=max(512, largest), enable_prefix_caching=False)  # fmt: skip
+    return llm.engine
+
+
+def start_decoding(engine, rng, n: int, max_tokens: int) -> list[str]:
+    """Admit n greedy requests and step until every one decodes; returns their ids."""
+    from jserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(rng.integers(100, 20000, PROMPT_LEN).tolist(), params) for _ in range(n)]
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    return ids
+
+
+def finish(engine, ids: list[str]) -> None:
+    """Abort the requests and step until the engine is idle."""
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool = True, freeze: bool = True) -> dict:
     """{N: {"host_ms": [...], "wall_ms": [...], "phases_ms": {phase: [...]}}} for one engine. `freeze`: keep the
     garbage collector off the objects start-up built, as `jserve serve` does once its engine is up."""
-    register_narrow_shape()
-    from jserve import LLM, SamplingParams
-
-    largest = max(running)
-    llm = LLM(None if model == "default" else model, max_num_seqs=largest, max_model_len=1024,
-              max_num_batched_tokens=max(512, largest), enable_prefix_caching=False)  # fmt: skip
-    engine = llm.engine
+    engine = make_engine(model, running, max_model_len=1024)
     if freeze:  # (not jserve.heap's helper: a baseline revision may predate it, and this one unfreezes after)
         gc.collect()
         gc.freeze()
@@ -96,10 +120,7 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
         for _ in range(repeats):
             if pin and not pin_threads():
                 raise SystemExit("cannot pin threads here (needs Linux and 2 cores): run with --no-pin")
-            params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
-            ids = [engine.add_request(rng.integers(100, 20000, PROMPT_LEN).tolist(), params) for _ in range(n)]
-            while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-                engine.step()
+            ids = start_decoding(engine, rng, n, max_tokens=steps + 64)
             for _ in range(3):
                 engine.step()
             stats = engine.stats
@@ -116,10 +137,7 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
             for phase, seconds in getattr(stats, "phase_s", {}).items():
                 ms = 1000 * (seconds - phases_before.get(phase, 0.0)) / done
                 entry["phases_ms"].setdefault(phase, []).append(ms)
-            for request_id in ids:
-                engine.abort_request(request_id)
-            while engine.has_unfinished_requests():
-                engine.step()
+            finish(engine, ids)
         entry["dispatch_ms"] = dispatch_ms(engine.runner, n)
         results[n] = entry
     if pin:  # child processes (the baseline's) inherit the calling thread's cores
@@ -131,13 +149,8 @@ def measure(model: str, running: list[int], steps: int, repeats: int, pin: bool 
 def measure_paired(model: str, running: list[int], steps: int, pairs: int, pin: bool = True) -> None:
     """Host ms/step with every step's inputs built afresh against continued decode steps, paired by block in
     one engine (see --pair-continuation)."""
-    register_narrow_shape()
-    from jserve import LLM, SamplingParams
-
-    largest = max(running)
-    llm = LLM(None if model == "default" else model, max_num_seqs=largest, max_model_len=2048,
-              max_num_batched_tokens=max(512, largest), enable_prefix_caching=False)  # fmt: skip
-    engine, runner = llm.engine, llm.engine.runner
+    engine = make_engine(model, running, max_model_len=2048)
+    runner = engine.runner
     launch = runner.launch
 
     def afresh(sequences):  # no continuation to continue: the step is built from the requests
@@ -154,10 +167,7 @@ def measure_paired(model: str, running: list[int], steps: int, pairs: int, pin: 
     for n in running:
         if pin and not pin_threads():
             raise SystemExit("cannot pin threads here (needs Linux and 2 cores): run with --no-pin")
-        params = SamplingParams(temperature=0, max_tokens=2 * pairs * (steps + 1) + 64, ignore_eos=True)
-        ids = [engine.add_request(rng.integers(100, 20000, PROMPT_LEN).tolist(), params) for _ in range(n)]
-        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()
+        ids = start_decoding(engine, rng, n, max_tokens=2 * pairs * (steps + 1) + 64)
         host = {"afresh": [], "continued": []}
         for pair in range(pairs):
             for side in ("afresh", "continued") if pair % 2 == 0 else ("continued", "afresh"):
@@ -174,10 +184,7 @@ def measure_paired(model: str, running: list[int], steps: int, pairs: int, pin: 
             f"| {n} | {median(host['afresh']):.2f} | {median(host['continued']):.2f} | {median(ratios):.2f}x "
             f"| {faster} of {pairs} |"
         )
-        for request_id in ids:
-            engine.abort_request(request_id)
-        while engine.has_unfinished_requests():
-            engine.step()
+        finish(engine, ids)
     if pin:
         os.sched_setaffinity(threading.get_native_id(), CORES)
     gc.unfreeze()

@@ -30,6 +30,12 @@ ADVANCED = (".model.attention.positions", ".model.attention.slot_mapping", ".mod
 PAGE_TABLES = ".model.attention.page_tables"
 
 
+def decodes_one(s: ScheduledSequence) -> bool:
+    """The sequence computes one token, its latest, and samples the next: no drafts, no proposals, not its first
+    chunk since admission."""
+    return s.num_tokens == 1 and s.samples and not s.proposes and not s.first
+
+
 @dataclass(frozen=True)
 class Places:
     """Where one bucket's advanced inputs are: their leaf indices, their offsets in the packed ints, and the
@@ -60,14 +66,14 @@ class DecodeContinuation:
     places: Places
 
     @staticmethod
-    def of(sequences: list[ScheduledSequence], bucket: int, step: StepInput, packed: PackedStep, facts: np.ndarray,
+    def of(sequences: list[ScheduledSequence], bucket: int, step: StepInput, packed: PackedStep, batch: InputBatch,
            places: Places) -> DecodeContinuation | None:  # fmt: skip
-        """The continuation of a step just built from `sequences` (`facts`: their rows of the facts table), or
-        None if it is not a plain decode of every row's pending token."""
+        """The continuation of a step just built from `sequences`, or None if it is not a plain decode of every
+        row's pending token."""
         n = len(sequences)
-        if not n or facts[:, (HAS_BIAS, HAS_GRAMMAR, SCORES_PROMPT)].any():
+        if not n or batch.facts[step.sampling.slots[:n]][:, (HAS_BIAS, HAS_GRAMMAR, SCORES_PROMPT)].any():
             return None  # (a bias may change with min_tokens; grammar rows get masks; scoring needs targets)
-        if not all(s.num_tokens == 1 and s.samples and not s.proposes and not s.first for s in sequences):
+        if not all(map(decodes_one, sequences)):
             return None
         if not np.array_equal(step.pending_rows[:n], np.arange(n)):
             return None  # a row's token is not the previous step's sample in that row
@@ -83,7 +89,7 @@ class DecodeContinuation:
         pages = batch.pages
         for i, s in enumerate(sequences):  # (Request compares by identity)
             request = s.request
-            if request is not requests[i] or s.num_tokens != 1 or not s.samples or s.proposes or s.first:
+            if request is not requests[i] or not decodes_one(s):
                 return None
             if pages[request.slot] is not request.pages:  # it reached a new page
                 moved.append(i)

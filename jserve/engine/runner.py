@@ -198,8 +198,7 @@ class ModelRunner:
             bucket = self.bucket_for(sum(s.num_tokens for s in sequences))
             step = self.prepare(sequences, bucket)
             packed = self.packings[bucket].pack(step)
-            facts = self.batch.facts[[s.request.slot for s in sequences]]
-            continuation = DecodeContinuation.of(sequences, bucket, step, packed, facts, self.places[bucket])
+            continuation = DecodeContinuation.of(sequences, bucket, step, packed, self.batch, self.places[bucket])
         self.prepare_s += time.perf_counter() - start
         if self.broadcast:
             self.broadcast.send(bucket, step)
