@@ -35,23 +35,38 @@ class CompletionState:
     unsent: str = ""
     sent: list[str] = field(default_factory=list)  # the deltas carried so far, joined once it finishes
     unsent_ids: list[int] = field(default_factory=list)  # output tokens no output has carried yet
-    tokens_sent: int = 0  # output tokens (and logprob entries) carried so far
+    logprobs_sent: int = 0  # logprob entries carried so far (with logprobs)
     final: CompletionOutput | None = None  # once its finished output is made: what later outputs repeat
     prompt_logprobs: list | None = None  # built once the whole prompt is scored
 
 
 class FetchedSamples:
-    """A fetched step's samples (packed rows: sampler.pack_samples), their ids and logprobs as Python lists:
-    converted once per step, since reading one numpy element per row costs more than the whole conversion."""
+    """A fetched step's samples (packed rows: sampler.pack_samples), their ids (and, once a row asks, their
+    logprobs) as Python lists: converted once per step, since reading one numpy element per row costs more
+    than the whole conversion."""
 
-    __slots__ = ("ids", "token_ids", "logprobs", "top_ids", "top_logprobs")
+    __slots__ = ("ids", "token_ids", "_packed", "_logprobs")
 
     def __init__(self, packed: np.ndarray):
         self.ids = packed[:, 0]  # [S] int32
         self.token_ids: list[int] = self.ids.tolist()
-        self.logprobs: list[float] = packed[:, 1].view(np.float32).tolist()
-        self.top_ids = packed[:, TOP_IDS]  # [S, MAX_LOGPROBS] int32, -1 past the vocabulary
-        self.top_logprobs = packed[:, TOP_LOGPROBS].view(np.float32)
+        self._packed = packed
+        self._logprobs: list[float] | None = None
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Each row's sampled token's logprob (only requests that asked for logprobs read them)."""
+        if self._logprobs is None:
+            self._logprobs = self._packed[:, 1].view(np.float32).tolist()
+        return self._logprobs
+
+    @property
+    def top_ids(self) -> np.ndarray:
+        return self._packed[:, TOP_IDS]  # [S, MAX_LOGPROBS] int32, -1 past the vocabulary
+
+    @property
+    def top_logprobs(self) -> np.ndarray:
+        return self._packed[:, TOP_LOGPROBS].view(np.float32)
 
 
 class OutputProcessor:
@@ -60,7 +75,7 @@ class OutputProcessor:
         self.eos_ids = tuple(eos_ids)
         self.states: dict[str, CompletionState] = {}
         self.detokenize_s = 0.0  # host time decoding text, for the engine's stats
-        tokenizer.byte_pieces()  # built now (a pass over the vocabulary), not on the first request
+        tokenizer.byte_piece_texts()  # built now (passes over the vocabulary), not on the first request
 
     def register(self, request: Request) -> None:
         params = request.params
@@ -86,10 +101,11 @@ class OutputProcessor:
         if request.num_pending:
             request.num_pending -= 1
         request.append_token(token)
-        if request.grammar is not None:
-            request.grammar.accept(token)
-        request.cumulative_logprob += samples.logprobs[row]
-        if request.params.logprobs is not None:
+        grammar = request.grammar
+        if grammar is not None:
+            grammar.accept(token)
+        if request.params.logprobs is not None:  # (cumulative_logprob is reported with logprobs only)
+            request.cumulative_logprob += samples.logprobs[row]
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
         state = self.states[request.request_id]
         state.unsent_ids.append(token)
@@ -97,6 +113,10 @@ class OutputProcessor:
         delta = state.detokenizer.add(token)
         self.detokenize_s += perf_counter() - start
         state.unsent += delta
+        # Most tokens end nothing: no stop id, no stop strings to search, no grammar, short of the length.
+        if not (token in state.stop_ids or state.max_stop_len or grammar is not None
+                or request.num_tokens >= request.max_len):  # fmt: skip
+            return None
         finish = self._check_stop(request, token, state, len(delta))
         if finish is not None and not isinstance(finish[1], str):
             state.unsent += state.detokenizer.flush()  # bytes held back for a character that never completed
@@ -147,9 +167,11 @@ class OutputProcessor:
         if delta:
             state.sent.append(delta)
         wants_logprobs = request.params.logprobs is not None
-        delta_logprobs = request.logprobs[state.tokens_sent :] if wants_logprobs else None
+        delta_logprobs = None
+        if wants_logprobs:
+            delta_logprobs = request.logprobs[state.logprobs_sent :]
+            state.logprobs_sent = len(request.logprobs)
         delta_ids, state.unsent_ids = state.unsent_ids, []
-        state.tokens_sent = request.num_output_tokens
         if finished:  # the whole completion, assembled once
             text, token_ids, logprobs = "".join(state.sent), request.output_token_ids, list(request.logprobs)
         else:

@@ -37,25 +37,36 @@ def incremental_detokenizer(
     """A ByteStream where the tokenizer's decoding is joining bytes, else a DecodeWindow."""
     pieces = tokenizer.byte_pieces(skip_special_tokens)
     if pieces is not None:
-        return ByteStream(pieces)
+        return ByteStream(pieces, tokenizer.byte_piece_texts(skip_special_tokens))
     return DecodeWindow(tokenizer, prompt_ids, skip_special_tokens)
 
 
 class ByteStream:
-    """Byte-level BPE: each id's bytes into an incremental UTF-8 decoder (no left context needed). Ids past
-    the tokenizer's vocabulary (models pad theirs) have no text, as in `decode`."""
+    """Byte-level BPE: each id's bytes through a UTF-8 decoder that holds back an unfinished character (no left
+    context needed). Most ids are whole characters, and with nothing held back their text is looked up, not
+    decoded. Ids past the tokenizer's vocabulary (models pad theirs) have no text, as in `decode`."""
 
-    __slots__ = ("_pieces", "_size", "_decode")  # one per running request, called every step
+    __slots__ = ("_pieces", "_texts", "_size", "_held")  # one per running request, called every step
 
-    def __init__(self, pieces: list[bytes]) -> None:
-        self._pieces, self._size = pieces, len(pieces)
-        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode  # called once a token: bound once
+    def __init__(self, pieces: list[bytes], texts: list[str | None]) -> None:
+        self._pieces, self._texts, self._size = pieces, texts, len(pieces)
+        self._held = b""  # the first bytes of a character whose other bytes have not come yet
 
     def add(self, token_id: int) -> str:
-        return self._decode(self._pieces[token_id] if token_id < self._size else b"")
+        if token_id >= self._size:
+            return ""
+        if not self._held:
+            text = self._texts[token_id]
+            if text is not None:
+                return text
+        data = self._held + self._pieces[token_id]
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self._held = data[used:]
+        return text
 
     def flush(self) -> str:
-        return self._decode(b"", final=True)
+        text, self._held = codecs.utf_8_decode(self._held, "replace", True)[0], b""
+        return text
 
 
 class DecodeWindow:

@@ -65,6 +65,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._add_bos_token = add_bos_token
         self._add_eos_token = add_eos_token
+        self._piece_texts: dict[bool, list[str | None] | None] = {}
         if add_bos_token is not None or add_eos_token is not None:
             backend.surround_with(
                 [self.bos_token_id] if add_bos_token and self.bos_token_id is not None else [],
@@ -138,6 +139,15 @@ class Tokenizer:
         joining them and reading the result as UTF-8, as byte-level BPE's is; None for other tokenizers.
         Built once, on first use (a pass over the vocabulary)."""
         return self._backend.byte_pieces(skip_special_tokens)
+
+    def byte_piece_texts(self, skip_special_tokens: bool = True) -> list[str | None] | None:
+        """Each byte piece's text where the piece is whole UTF-8 characters by itself, else None (it ends inside
+        a character, or holds bytes that are no UTF-8): what a stream holding no unfinished character adds for
+        that id. Built once, with byte_pieces."""
+        if skip_special_tokens not in self._piece_texts:
+            pieces = self.byte_pieces(skip_special_tokens)
+            self._piece_texts[skip_special_tokens] = None if pieces is None else list(map(_whole_text, pieces))
+        return self._piece_texts[skip_special_tokens]
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._backend.id_to_token(i) for i in ids]
@@ -247,3 +257,10 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         # Several named templates: the one used for plain chat is "default".
         template = {entry["name"]: entry["template"] for entry in template}.get("default")
     return template
+
+
+def _whole_text(piece: bytes) -> str | None:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
