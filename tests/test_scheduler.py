@@ -61,6 +61,13 @@ def test_a_chunk_spilling_past_a_bucket_is_cut_back_to_its_edge():
     assert run_step(scheduler) == [("0", 5, 1), ("1", 31, 3)]
 
 
+def test_a_step_that_fills_its_bucket_is_not_cut():
+    scheduler = make_scheduler(budget=64)  # buckets 16, 32, 64
+    scheduler.add(make_request(32, 0))
+    # 32 prompt tokens fill bucket 32: cutting them back to 16 would pad nothing away and cost a step.
+    assert run_step(scheduler) == [("0", 0, 32)]
+
+
 def test_a_chunk_is_not_cut_below_half():
     scheduler = make_scheduler(budget=64, seqs=16)
     for i in range(10):

@@ -216,6 +216,8 @@ class Scheduler:
             return scheduled
         last = scheduled[-1]
         total = sum(s.num_tokens for s in scheduled)
+        if total in self.config.token_buckets:
+            return scheduled  # it fills its bucket: nothing is padded
         edge = max((b for b in self.config.token_buckets if b < total), default=0)
         keep = last.num_tokens - (total - edge)
         if last.request.num_computed_tokens >= last.request.num_prompt_tokens or 2 * keep < last.num_tokens:
