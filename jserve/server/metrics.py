@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from jserve.engine.stats import EngineSnapshot
 from jserve.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class StepHistogram:
+    """A histogram of many values a step (one per streaming completion), added with one numpy pass per step:
+    prometheus_client's Histogram takes its lock and a Python pass for each value, on the engine thread.
+    Read by /metrics as an ordinary Prometheus histogram (its buckets, count and sum)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], labels: dict[str, str]):
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.bounds = np.asarray(buckets, np.float64)
+        self.counts = np.zeros(len(buckets) + 1, np.int64)  # per bucket, the last past every bound (+Inf)
+        self.sum = 0.0
+        self._lock = threading.Lock()  # the engine thread adds, the /metrics handler reads
+
+    def observe(self, values: list[float]) -> None:
+        if not values:
+            return
+        array = np.asarray(values, np.float64)
+        # A value falls in the first bucket whose bound it does not exceed (Prometheus' `le`).
+        counts = np.bincount(np.searchsorted(self.bounds, array, side="left"), minlength=len(self.counts))
+        with self._lock:
+            self.counts += counts
+            self.sum += float(array.sum())
+
+    def collect(self):
+        with self._lock:
+            cumulative, total = np.cumsum(self.counts).tolist(), self.sum
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        bounds = [floatToGoString(bound) for bound in self.bounds.tolist()] + ["+Inf"]
+        family.add_metric(list(self.labels.values()), list(zip(bounds, cumulative, strict=True)), total)
+        yield family
 
 
 class ServerMetrics:
@@ -49,8 +85,10 @@ class ServerMetrics:
         reasons = ("stop", "length", "abort", "error")
         self.success = {reason: success.labels(finished_reason=reason, **labels) for reason in reasons}
         self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
-        self.itl = make(Histogram, "inter_token_latency_seconds", "Time between tokens of a completion",
-                        buckets=TOKEN_LATENCY_BUCKETS)  # fmt: skip
+        self.itl = StepHistogram("jserve:inter_token_latency_seconds", "Time between tokens of a completion",
+                                 TOKEN_LATENCY_BUCKETS, labels)  # fmt: skip
+        self.registry.register(self.itl)
+        self._itl_values: list[float] = []  # this step's, added to self.itl at observe_step
         self.e2e = make(Histogram, "e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS)
         self.queue_time = make(
             Histogram, "request_queue_time_seconds", "Arrival to first scheduled", buckets=LATENCY_BUCKETS
@@ -69,6 +107,9 @@ class ServerMetrics:
         self._finished: set[tuple[str, int]] = set()
 
     def observe_step(self, snapshot: EngineSnapshot) -> None:
+        """After the step's outputs were observed."""
+        self.itl.observe(self._itl_values)
+        self._itl_values = []
         self.running.set(snapshot.running)
         self.waiting.set(snapshot.waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
@@ -92,7 +133,7 @@ class ServerMetrics:
             if new_tokens := len(completion.delta_token_ids):
                 last_time = self._last_token.get(key)
                 if last_time is not None:
-                    self.itl.observe((now - last_time) / new_tokens)
+                    self._itl_values.append((now - last_time) / new_tokens)
                 self._last_token[key] = now
             if completion.finished and key not in self._finished:
                 self._finished.add(key)
