@@ -331,14 +331,10 @@ class LLMEngine:
                 request.first_token_time = now
             finish = None
             try:
-                if not len(seq.drafts) and row not in sources:  # (the common case: the row's own sample)
+                for source, source_row in tokens if len(seq.drafts) else (sources.get(row, (samples, row)),):
                     generated += 1
-                    finish = append(request, samples, row)
-                else:
-                    for source, source_row in tokens if len(seq.drafts) else (sources[row],):
-                        generated += 1
-                        if finish := append(request, source, source_row):
-                            break
+                    if finish := append(request, source, source_row):
+                        break
             except Exception as error:  # one request's failure must not take down the others
                 self._fail(request, error, changed)
                 continue

@@ -101,9 +101,8 @@ class OutputProcessor:
         if request.num_pending:
             request.num_pending -= 1
         request.append_token(token)
-        grammar = request.grammar
-        if grammar is not None:
-            grammar.accept(token)
+        if request.grammar is not None:
+            request.grammar.accept(token)
         if request.params.logprobs is not None:  # (cumulative_logprob is reported with logprobs only)
             request.cumulative_logprob += samples.logprobs[row]
             request.logprobs.append(self._logprobs(token, samples, row, request.params.logprobs))
@@ -113,10 +112,6 @@ class OutputProcessor:
         delta = state.detokenizer.add(token)
         self.detokenize_s += perf_counter() - start
         state.unsent += delta
-        # Most tokens end nothing: no stop id, no stop strings to search, no grammar, short of the length.
-        if not (token in state.stop_ids or state.max_stop_len or grammar is not None
-                or request.num_tokens >= request.max_len):  # fmt: skip
-            return None
         finish = self._check_stop(request, token, state, len(delta))
         if finish is not None and not isinstance(finish[1], str):
             state.unsent += state.detokenizer.flush()  # bytes held back for a character that never completed

@@ -215,10 +215,10 @@ class Scheduler:
         if not scheduled:
             return scheduled
         last = scheduled[-1]
-        total = sum(s.num_tokens for s in scheduled)
-        if total in self.config.token_buckets:
+        total, buckets = sum(s.num_tokens for s in scheduled), self.config.token_buckets
+        if total in buckets:
             return scheduled  # it fills its bucket: nothing is padded
-        edge = max((b for b in self.config.token_buckets if b < total), default=0)
+        edge = max((b for b in buckets if b < total), default=0)
         keep = last.num_tokens - (total - edge)
         if last.request.num_computed_tokens >= last.request.num_prompt_tokens or 2 * keep < last.num_tokens:
             return scheduled  # a decode, or too little would be left
