@@ -1,8 +1,11 @@
 """Host time per engine step: what the engine thread spends scheduling, preparing, dispatching and processing
 outputs, outside waiting for the device, at 1 / 16 / 64 / 256 running sequences.
 
-The model is random weights of a 32-layer, very narrow Llama shape (`--model random:narrow-32l`, defined here)
-whose device step is small, so the step is mostly host; `--model default` measures the default model's decode.
+The model is random weights of a 32-layer, very narrow Llama shape (`--model random:narrow-32l`, defined here):
+its layers cost the device little, but sampling over SmolLM2's 49,152 ids does (~75 ms a step at 256 running on
+a 2-core CPU), and the engine thread waits that long between its host phases. `--model random:quick-1l` (one
+layer, 512 ids) steps in ~2 ms there, as a GPU runs a decode step; idle_caches.py measures what the wait does
+to the host time on a shared machine. `--model default` measures the default model's decode.
 Each measurement admits N greedy requests (16-token prompts, `ignore_eos`), steps until every one decodes, then
 times `--steps` decode steps: the engine's own host ms/step (the figure its stats line prints), wall ms/step,
 and, where the engine reports them, the host time by phase. The engine thread gets the first core to itself
@@ -48,14 +51,19 @@ import numpy as np
 NARROW = dict(family="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=32, num_heads=2,
               num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
               tie_word_embeddings=True)  # fmt: skip
+# The same widths in one layer over SmolLM2's first 512 ids: a device step of ~2 ms at 256 rows, so the engine
+# thread barely waits between its host phases (the narrow model's sampling over 49,152 logits takes ~75 ms).
+QUICK = {**NARROW, "num_layers": 1, "vocab_size": 512}
+SHAPES = {"narrow-32l": NARROW, "quick-1l": QUICK}
 PROMPT_LEN = 16
 
 
-def register_narrow_shape() -> None:
+def register_shapes() -> None:
     from jserve.config import ModelConfig
     from jserve.loader.random_weights import MODEL_SHAPES
 
-    MODEL_SHAPES.setdefault("narrow-32l", ModelConfig(**NARROW))
+    for name, shape in SHAPES.items():
+        MODEL_SHAPES.setdefault(name, ModelConfig(**shape))
 
 
 # The cores this process may use, read before pin_threads narrows the engine thread's.
@@ -78,7 +86,7 @@ def pin_threads() -> bool:
 
 def make_engine(model: str, running: list[int], max_model_len: int):
     """An engine for the largest running count, prefix caching off (every prompt is computed)."""
-    register_narrow_shape()
+    register_shapes()
     from jserve import LLM
 
     largest = max(running)
@@ -92,7 +100,8 @@ def start_decoding(engine, rng, n: int, max_tokens: int) -> list[str]:
     from jserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(rng.integers(100, 20000, PROMPT_LEN).tolist(), params) for _ in range(n)]
+    top = min(20000, engine.model.config.vocab_size)
+    ids = [engine.add_request(rng.integers(100, top, PROMPT_LEN).tolist(), params) for _ in range(n)]
     while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     return ids
@@ -281,7 +290,7 @@ def main() -> None:
         "--model",
         nargs="+",
         default=["random:narrow-32l"],
-        help="random:narrow-32l (defined here), default (SmolLM2-135M), or any model jserve loads",
+        help="random:narrow-32l or random:quick-1l (defined here), default (SmolLM2-135M), or any model jserve loads",
     )
     parser.add_argument("--running", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--steps", type=int, default=40, help="decode steps timed per measurement")
