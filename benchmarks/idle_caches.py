@@ -89,7 +89,7 @@ def main() -> None:
 
     work = {
         f"walk {args.buffer_kb} KB, ns/line": (lambda: buffer[lines].sum(), len(lines) / 1e9),
-        "outputs, µs/request": (lambda: [parent.output(outputs) for parent in parents], args.running / 1e6),
+        "outputs, µs/request": (lambda: [parent.output(outputs, 0) for parent in parents], args.running / 1e6),
         "schedule, µs/request": (engine.scheduler.schedule, args.running / 1e6),
     }
     how = "busy-waiting" if args.spin else "sleeping"

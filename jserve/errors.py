@@ -11,6 +11,10 @@ class ModelLoadError(JServeError):
     """A model could not be found, read or assembled."""
 
 
+class WeightUpdateError(JServeError, ValueError):
+    """New weights that do not fit the model (a name it has no parameter for, another shape): nothing changed."""
+
+
 class RequestError(JServeError, ValueError):
     """A request refused for one of its values; `param` names the field it came in (None: no single field).
 

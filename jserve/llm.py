@@ -12,6 +12,8 @@ from tqdm.auto import tqdm
 
 from jserve.engine.args import EngineArgs
 from jserve.heap import frozen_heap
+from jserve.loader.weight_export import model_weights
+from jserve.loader.weight_update import Weights, updated_params
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
@@ -48,6 +50,30 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def update_weights(self, weights: Weights, *, names: str = "hf") -> None:
+        """Serve new weights from now on, without reloading or compiling (e.g. after a training step).
+
+        `weights`: a Flax NNX model or nnx.State of this architecture, a mapping of names to arrays (any subset
+        of the model's tensors: the rest keep their values), or a Hugging Face / `jserve convert` folder.
+        `names`: "hf" for checkpoint names (`model.layers.0.self_attn.q_proj.weight`, as transformers'
+        state_dict has them), "jserve" for the engine's own (as get_weights(names="jserve") returns them:
+        fused q/k/v and gate/up, int8 where the engine quantized). Arrays on the engine's devices with its
+        dtype and sharding are used as they are, without a copy; others are cast and placed, and float
+        weights for an int8 engine quantized. A tensor that names no parameter or has another shape is a
+        WeightUpdateError (a ValueError) naming it, and the old weights keep serving.
+
+        Requests already running (a stream not yet read to its end) finish on the weights they started
+        with; the new ones take over as soon as none is left, before any later request starts. Cached
+        prompt prefixes are dropped then. Outputs say which weights produced them (`weights_version`)."""
+        self.engine.update_weights(updated_params(self.engine.model, weights, names))
+
+    def get_weights(self, names: str = "hf") -> dict:
+        """The weights the engine serves, by name: "hf" as a Hugging Face checkpoint holds them (host arrays,
+        float engines only), "jserve" the engine's own arrays as they are (no copy: hand them, or arrays
+        like them, back to update_weights). A trainer that donates these arrays to its own jitted update
+        deletes them under the engine: update the weights again before generating."""
+        return model_weights(self.engine.model, names)
 
     def close(self) -> None:
         """Multi-host runs (docs/scale-out.md): on process 0, release the followers when done; a no-op on one

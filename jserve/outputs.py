@@ -75,3 +75,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    weights_version: int = 0  # the weights that produced it: 0 as loaded, +1 with each LLM.update_weights

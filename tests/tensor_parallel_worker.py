@@ -6,14 +6,18 @@ one model at several tensor-parallel sizes; prints JSON with greedy tokens, prom
 
 SPEC: "none", "ngram" for n-gram speculative decoding, or "draft" for the model as its own draft model.
 --expert-parallel: a mixture of experts splits its experts over the devices.
+--update-from FOLDER: then serve the weights of the checkpoint in FOLDER (LLM.update_weights) and decode again.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
+import numpy as np
+from safetensors.numpy import load_file
 
 from jserve import LLM, SamplingParams
 from jserve.spec_decode import Speculator
@@ -42,7 +46,8 @@ def main() -> None:
     # Every step keeps its drafts, whatever the start-up timings of a busy machine say (the test counts them).
     Speculator.worthwhile = lambda self, sequences: sequences
     expert_parallel = "--expert-parallel" in sys.argv
-    sizes = [int(s) for s in sys.argv[4:] if s != "--expert-parallel"]
+    update_from = sys.argv[sys.argv.index("--update-from") + 1] if "--update-from" in sys.argv else None
+    sizes = [int(s) for s in sys.argv[4:] if s.isdigit()]
     results = {}
     for tp in sizes:
         llm = LLM(
@@ -69,6 +74,16 @@ def main() -> None:
             "draft_tokens": llm.engine.stats.spec_draft_tokens,
             "accepted_tokens": llm.engine.stats.spec_accepted_tokens,
         }
+        if update_from:
+            llm.update_weights(update_from)
+            outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            results[tp]["updated_tokens"] = [o.outputs[0].token_ids for o in outputs]
+            if quantization == "none":  # handed out as the checkpoint holds them, KV heads once each
+                files = load_file(Path(update_from) / "model.safetensors")
+                weights = llm.get_weights()
+                results[tp]["weights_as_files"] = sorted(weights) == sorted(files) and all(
+                    np.array_equal(weights[name], files[name]) for name in files
+                )
     json.dump(results, sys.stdout)
 
 

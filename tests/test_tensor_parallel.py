@@ -23,10 +23,16 @@ WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
 
 def run_worker(
-    model: str, sizes: list[int], quantization: str = "none", speculative: str = "none", expert_parallel: bool = False
+    model: str,
+    sizes: list[int],
+    quantization: str = "none",
+    speculative: str = "none",
+    expert_parallel: bool = False,
+    update_from: str | None = None,
 ) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     args = [model, quantization, speculative, *map(str, sizes)] + (["--expert-parallel"] if expert_parallel else [])
+    args += ["--update-from", update_from] if update_from else []
     done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     return {int(tp): result for tp, result in json.loads(done.stdout).items()}
@@ -159,3 +165,25 @@ def test_head_counts_that_do_not_split_are_an_error(heads, kv_heads, tp, message
     config = dataclasses.replace(MODEL_SHAPES["smollm2-135m"], num_heads=heads, num_kv_heads=kv_heads)
     with pytest.raises(ModelLoadError, match=message):
         tensor_parallel_config(config, tp)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_new_weights_at_tp_2_and_4(tmp_path, quantization):
+    """update_weights on a sharded engine: each device takes its share of the new weights (KV heads
+    replicated at TP 4), and it decodes what one device loaded with them decodes."""
+    from jserve import LLM
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    save_tiny_checkpoint(first, "llama")
+    save_tiny_checkpoint(second, "llama", seed=1)
+    results = run_worker(str(first), [2, 4], quantization, update_from=str(second))
+    one = LLM(str(second), dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+              kv_cache_memory=48 << 20, quantization=quantization)  # fmt: skip
+    from tensor_parallel_worker import GREEDY, PROMPTS
+
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    for tp, result in results.items():
+        assert result["updated_tokens"] == expected, f"tp={tp}"
+        assert result["updated_tokens"] != result["tokens"], f"tp={tp}: the checkpoints should decode apart"
+        if quantization == "none":
+            assert result["weights_as_files"], f"tp={tp}"

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
@@ -23,8 +24,10 @@ from jserve.engine.speculation import Speculation, StepProposer
 from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
 from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
+from jserve.errors import WeightUpdateError
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestOutput
+from jserve.parallel.distributed import is_multi_process
 from jserve.sampling_params import SamplingParams
 from jserve.spec_decode import Drafter, Speculator
 from jserve.structured import GrammarCompiler
@@ -81,6 +84,8 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
         self._busy = False  # requests were unfinished after the last step: the next one is back to back
         self._aborted: set[str] = set()  # parents aborted since the last step: their outputs are due
+        self.weights_version = 0  # +1 with each swap of weights (update_weights): every output carries it
+        self._new_weights: nnx.State | None = None  # to swap in once the requests in flight have finished
         log.info(
             "KV cache: %d pages of %d tokens = %d tokens of %s, %.2f GiB; max concurrency at max_model_len %d: %.1f",
             config.num_pages, config.page_size, config.num_pages * config.page_size, config.kv_cache_dtype,
@@ -182,6 +187,35 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    # --- weights ---------------------------------------------------------------------------------
+
+    def update_weights(self, params: nnx.State) -> bool:
+        """Serve `params` (the model's params with new values: loader.weight_update) from now on, without
+        compiling anything. Requests in flight (running, or preempted and waiting to resume) finish on the
+        weights they started with; requests that have not started wait, and the new weights take over as soon
+        as the last request in flight is done (at once if none is). Cached prefixes are dropped then (their
+        K/V came from the old weights). Returns whether the new weights serve already."""
+        if is_multi_process():
+            raise WeightUpdateError("new weights reach this process's engine only: across hosts, reload instead")
+        self._new_weights = params
+        self.scheduler.hold_new = True
+        if self._swap_weights():
+            return True
+        log.info("New weights wait for %d requests in flight to finish", self.scheduler.num_in_flight)
+        return False
+
+    def _swap_weights(self) -> bool:
+        """The new weights in, if nothing in flight needs the old ones."""
+        if self.in_flight is not None or self.scheduler.num_in_flight:
+            return False
+        self.runner.set_params(self._new_weights)
+        self.model.params, self._new_weights = self._new_weights, None
+        self.scheduler.hold_new = False
+        dropped = self.scheduler.kv.drop_cache()
+        self.weights_version += 1
+        log.info("Weights version %d serving; %d cached prefix pages dropped", self.weights_version, dropped)
+        return True
+
     # --- across hosts ----------------------------------------------------------------------------
 
     def follow(self) -> None:
@@ -201,6 +235,8 @@ class LLMEngine:
         start = time.perf_counter()
         if not self._busy:
             self.stats.resume()
+        if self._new_weights is not None:
+            self._swap_weights()
         host = (self.runner.prepare_s, self.outputs.detokenize_s)
         changed, self._aborted = self._aborted, set()  # requests aborted since the last step
         waited = 0.0
@@ -224,7 +260,8 @@ class LLMEngine:
             waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
             self.in_flight = None
         outputs_at = time.perf_counter()
-        results = [self.parents[pid].output(self.outputs) for pid in changed]
+        version = self.weights_version
+        results = [self.parents[pid].output(self.outputs, version) for pid in changed]
         for out in results:
             if out.finished:
                 for child in self.parents.pop(out.request_id).children:

@@ -96,6 +96,11 @@ class KVManager:
         request.pages = np.concatenate([request.pages, self.pool.allocate(needed)])
         return True
 
+    def drop_cache(self) -> int:
+        """Forget every cached prefix no request holds (their K/V came from weights no longer served); returns
+        how many pages went back to the pool."""
+        return self.cache.evict(self.cache.evictable_pages) if self.cache is not None else 0
+
     def advance(self, request: Request, num_tokens: int) -> None:
         """A launched step writes the K/V of the request's next `num_tokens` tokens. Prompt pages it
         completes enter the cache now, so requests admitted by the next step already share them."""

@@ -23,9 +23,10 @@ class ParentRequest:
         children = self.children
         return children[0].is_finished if len(children) == 1 else all(child.is_finished for child in children)
 
-    def output(self, processor: OutputProcessor) -> RequestOutput:
+    def output(self, processor: OutputProcessor, weights_version: int) -> RequestOutput:
         """The parent's output for this step. Its completions carry what changed since their last output, and
-        each change is handed out once: every output the engine returns must reach its consumer."""
+        each change is handed out once: every output the engine returns must reach its consumer. Weights
+        change only while no request runs, so the engine's current ones made all of it."""
         children = self.children
         if len(children) == 1:  # the common case, without the folds over siblings
             child = children[0]
@@ -59,4 +60,5 @@ class ParentRequest:
         scores = processor.prompt_logprobs(children[0]) if children[0].params.prompt_logprobs is not None else None
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, completions, finished, scores, num_cached, metrics,
+            weights_version,
         )  # fmt: skip

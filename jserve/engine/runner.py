@@ -178,6 +178,18 @@ class ModelRunner:
             times.append(time.perf_counter() - start)
         return min(times)
 
+    def set_params(self, params) -> None:
+        """Run the steps from now on with `params` (an nnx.State): the structure, shapes, dtypes and shardings
+        the steps were compiled for, so nothing compiles again."""
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        if treedef != self.params_def:
+            raise ValueError("new params must have the structure of the ones loaded")
+        for new, old in zip(leaves, self.params, strict=True):
+            if (new.shape, new.dtype, new.sharding) != (old.shape, old.dtype, old.sharding):
+                raise ValueError(f"a new param is {new.shape} {new.dtype} on {new.sharding}, not {old.shape} "
+                                 f"{old.dtype} on {old.sharding}")  # fmt: skip
+        self.params = leaves
+
     def bucket_for(self, num_tokens: int) -> int:
         return next(b for b in self.config.token_buckets if b >= num_tokens)
 

@@ -102,10 +102,18 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival, completion index)
         self.running: list[Request] = []  # sorted by (priority, admit order): the last is preempted first
         self._admissions = itertools.count()
+        # Admit no request that has not run yet (the engine is waiting for the ones in flight to finish, e.g.
+        # to change weights); preempted ones still resume.
+        self.hold_new = False
 
     @property
     def num_unfinished(self) -> int:
         return len(self.running) + len(self.waiting)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests that have started: running, or preempted and waiting to resume."""
+        return len(self.running) + sum(r.status is RequestStatus.PREEMPTED for r in self.waiting)
 
     # KV usage, as the engine's log line and the server's metrics read it.
 
@@ -192,6 +200,8 @@ class Scheduler:
         for request in self._admission_order():
             if budget <= 0 or not self.slots.num_free:
                 break
+            if self.hold_new and request.status is not RequestStatus.PREEMPTED:
+                continue
             match = self.kv.match(request)
             if self._follows(request, match, prefilling):
                 continue  # a request now prefilling computes this prefix; take it from the cache after

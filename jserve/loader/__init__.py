@@ -45,6 +45,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     dtype: jnp.dtype
     source: ModelSource
+    placement: WeightPlacement  # the checkpoint's config and the served one, and where each weight lives
     mesh: Mesh | None = None  # tensor parallelism: the devices the weights are split over
     quantization: Quantization = Quantization.NONE  # int8, w8a8: projections, embedding and head hold int8 weights
 
@@ -151,7 +152,9 @@ def load_model(
         else "GGUF blocks" if quantization is Quantization.GGUF else target_dtype.name,
         sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
-    return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, mesh, quantization)
+    return LoadedModel(
+        placement.config, graphdef, params, tokenizer, target_dtype, source, placement, mesh, quantization
+    )
 
 
 def resolve_quantization(quantization: str, source: ModelSource, mesh: Mesh | None, dtype: str) -> Quantization:

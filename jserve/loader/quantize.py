@@ -28,15 +28,17 @@ def quantize_model(
     for name, leaf in leaves_by_name(abstract).items():
         if leaf.dtype == "int8":
             scale = name + "_scale"
-            quantizer = _quantizer(placement.sharding(name), placement.sharding(scale), tiled)
-            done[name], done[scale] = quantizer(floats[name])
+            quantize = quantizer(placement.sharding(name), placement.sharding(scale), tiled)
+            done[name], done[scale] = quantize(floats[name])
         elif name not in done:
             done[name] = floats[name]
     return graphdef, jax.tree_util.tree_map_with_path(lambda path, _: done[param_name(path)], abstract)
 
 
 @cache
-def _quantizer(weight_sharding, scale_sharding, tiled: bool):
+def quantizer(weight_sharding, scale_sharding, tiled: bool):
+    """A float weight -> (int8 weight, scale per output row), sharded so; in the CPU kernel's tiles if `tiled`."""
+
     def quantize(w):
         q, scale = quantize_rows(w)
         return (tile(q) if tiled and q.ndim == 2 else q), scale  # experts' stacked weights stay in rows
