@@ -116,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         chat_template=template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        enable_weight_routes=args.enable_weight_routes,
     )
     return serve(EngineArgs.from_cli_args(args), settings, args.host, args.port, args.shutdown_timeout)
 

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                      help="the format the model writes tool calls in: hermes (Qwen2.5, Hermes, jserve's generic "
                      "tool prompt), llama3_json (Llama 3.1+), mistral, pythonic (Llama 4, Llama 3.2)")  # fmt: skip
+    srv.add_argument("--enable-weight-routes", action="store_true",
+                     help="serve POST /v1/update_weights (a checkpoint folder), POST /sleep, POST /wake_up and "
+                     "GET /is_sleeping, for a trainer in another process (behind --api-key if one is set)")  # fmt: skip
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a stop signal waits for requests in flight before aborting them")  # fmt: skip
     EngineArgs.add_cli_args(srv, positional_model=True)

@@ -15,6 +15,11 @@ class WeightUpdateError(JServeError, ValueError):
     """New weights that do not fit the model (a name it has no parameter for, another shape): nothing changed."""
 
 
+class EngineAsleepError(JServeError, RuntimeError):
+    """A request for an engine that sleep() put to sleep (wake_up() first), or whose weights sleep(level=2)
+    dropped (update_weights() first)."""
+
+
 class RequestError(JServeError, ValueError):
     """A request refused for one of its values; `param` names the field it came in (None: no single field).
 

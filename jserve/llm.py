@@ -11,6 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jserve.engine.args import EngineArgs
+from jserve.errors import EngineAsleepError
 from jserve.heap import frozen_heap
 from jserve.loader.weight_export import model_weights
 from jserve.loader.weight_update import Weights, updated_params
@@ -73,7 +74,22 @@ class LLM:
         float engines only), "jserve" the engine's own arrays as they are (no copy: hand them, or arrays
         like them, back to update_weights). A trainer that donates these arrays to its own jitted update
         deletes them under the engine: update the weights again before generating."""
+        if self.engine.weights_dropped:
+            raise EngineAsleepError("the engine's weights were dropped by sleep(level=2): update_weights() first")
         return model_weights(self.engine.model, names)
+
+    def sleep(self, level: int = 1) -> None:
+        """Hand device memory back while the trainer runs: level 1 frees the KV cache, level 2 also lets go of
+        the weights (after wake_up, update_weights must bring new ones before generating). Generating while
+        asleep is an EngineAsleepError; wake_up() serves again without compiling anything."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.sleeping
 
     def close(self) -> None:
         """Multi-host runs (docs/scale-out.md): on process 0, release the followers when done; a no-op on one

@@ -3,6 +3,7 @@ transformers (two per family, seeds 0 and 1). Every engine here runs with debug 
 compiled after warm-up (new weights must not recompile anything) would fail the test."""
 
 import dataclasses
+import gc
 
 import jax
 import numpy as np
@@ -10,14 +11,14 @@ import pytest
 from safetensors.numpy import load_file
 
 from jserve import SamplingParams
-from jserve.errors import WeightUpdateError
+from jserve.errors import EngineAsleepError, WeightUpdateError
 from jserve.loader import load_model
 from jserve.loader.weight_update import updated_params
 from jserve.loader.weights import leaves_by_name
 from jserve.models.quantization import Quantization
 
 from test_engine import prompts, tiny_llm
-from tiny_models import VARIANTS, assert_engine_idle, save_tiny_checkpoint
+from tiny_models import VARIANTS, assert_engine_idle, reference_logits, save_tiny_checkpoint
 
 FAMILIES = ["llama", "mistral-sliding", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 PROMPTS = prompts(3, seed=5)
@@ -90,6 +91,19 @@ def test_jserve_arrays_are_used_without_a_copy(llamas, fresh_second):
     for name, array in given.items():
         assert now[name].unsafe_buffer_pointer() == array.unsafe_buffer_pointer(), name
     assert rollout(llm) == (*fresh_second[:2], {1})
+
+
+def test_host_arrays_are_copied(llamas):
+    """Changing a host array in place after the update leaves the served weights alone (a CPU's device_put
+    may otherwise keep the host buffer as the device's)."""
+    llm = tiny_llm(llamas[0][0])
+    host = {name: np.asarray(array).copy() + 1 for name, array in llm.get_weights(names="jserve").items()}
+    llm.update_weights(host, names="jserve")
+    served = {name: np.asarray(array).copy() for name, array in llm.get_weights(names="jserve").items()}
+    for array in host.values():
+        array += 100
+    for name, array in llm.get_weights(names="jserve").items():
+        np.testing.assert_array_equal(np.asarray(array), served[name], err_msg=name)
 
 
 def test_a_subset_keeps_the_other_weights(llamas):
@@ -205,3 +219,77 @@ def test_cached_prefixes_go_with_the_old_weights(llamas, fresh_second):
     llm.update_weights(second_torch.state_dict())
     assert llm.engine.scheduler.num_reclaimable_pages == 0
     assert rollout(llm, long_prompts)[:2] == rollout(tiny_llm(second), long_prompts)[:2]
+
+
+def live_bytes() -> int:
+    gc.collect()  # (engines earlier tests left behind go now, not between two readings)
+    return sum(array.nbytes for array in jax.live_arrays())
+
+
+def test_sleep_hands_the_kv_cache_back_and_wakes_to_the_same_outputs(llamas):
+    llm = tiny_llm(llamas[0][0], enable_prefix_caching=True)
+    before = rollout(llm)
+    kv_bytes = sum(array.nbytes for array in jax.tree.leaves(llm.engine.runner.kv_cache))
+    held = live_bytes()
+    llm.sleep()
+    assert llm.is_sleeping and held - live_bytes() >= 0.95 * kv_bytes
+    with pytest.raises(EngineAsleepError, match="wake_up"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.wake_up()
+    assert not llm.is_sleeping
+    assert rollout(llm) == before
+    assert_engine_idle(llm)
+
+
+def test_sleep_level_2_lets_the_weights_go_until_new_ones_come(llamas, fresh_second):
+    llm = tiny_llm(llamas[0][0])
+    rollout(llm)
+    engine = llm.engine
+    kv_bytes = sum(array.nbytes for array in jax.tree.leaves(engine.runner.kv_cache))
+    weight_bytes = sum(array.nbytes for array in jax.tree.leaves(engine.model.params))
+    held = live_bytes()
+    llm.sleep(level=2)
+    assert held - live_bytes() >= 0.95 * (kv_bytes + weight_bytes)
+    llm.wake_up()
+    with pytest.raises(EngineAsleepError, match="update_weights"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with pytest.raises(EngineAsleepError, match="update_weights"):
+        llm.get_weights()
+    with pytest.raises(WeightUpdateError, match="give every one; missing"):
+        llm.update_weights({"model.norm.weight": np.ones(64, np.float32)})
+    llm.update_weights(llamas[1][0])
+    assert rollout(llm) == (*fresh_second[:2], {1})
+    assert_engine_idle(llm)
+
+
+def test_sleep_waits_for_no_request(llamas):
+    llm = tiny_llm(llamas[0][0])
+    request_id = llm.engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="1 requests are unfinished"):
+        llm.sleep()
+    llm.engine.abort_request(request_id)
+    llm.engine.step()
+    llm.sleep()
+    llm.wake_up()
+    assert_engine_idle(llm)
+
+
+def test_rollouts_score_their_tokens_as_the_model_does(llamas):
+    """n samples of a prompt, each sampled token's logprob equal to the model's log-softmax there (what an
+    importance ratio reads), and the same samples again from the same seed."""
+    (first, first_torch), _ = llamas
+    llm = tiny_llm(first)
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, seed=3)
+    prompt = PROMPTS[0]
+    completions = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    assert len({tuple(c.token_ids) for c in completions}) > 1
+    for completion in completions:
+        ids = prompt + completion.token_ids
+        logits = reference_logits(first_torch, ids)[len(prompt) - 1 : -1]
+        shifted = logits - logits.max(-1, keepdims=True)
+        expected = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # log-softmax
+        scored = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)]
+        np.testing.assert_allclose(scored, expected[np.arange(len(ids) - len(prompt)), completion.token_ids],
+                                   atol=1e-4)  # fmt: skip
+    again = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in again] == [c.token_ids for c in completions]

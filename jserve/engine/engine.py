@@ -24,7 +24,7 @@ from jserve.engine.speculation import Speculation, StepProposer
 from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
 from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
-from jserve.errors import WeightUpdateError
+from jserve.errors import EngineAsleepError, WeightUpdateError
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestOutput
 from jserve.parallel.distributed import is_multi_process
@@ -86,6 +86,8 @@ class LLMEngine:
         self._aborted: set[str] = set()  # parents aborted since the last step: their outputs are due
         self.weights_version = 0  # +1 with each swap of weights (update_weights): every output carries it
         self._new_weights: nnx.State | None = None  # to swap in once the requests in flight have finished
+        self.sleeping = False  # sleep(): the KV cache is freed until wake_up()
+        self.weights_dropped = False  # sleep(level=2): no weights until update_weights()
         log.info(
             "KV cache: %d pages of %d tokens = %d tokens of %s, %.2f GiB; max concurrency at max_model_len %d: %.1f",
             config.num_pages, config.page_size, config.num_pages * config.page_size, config.kv_cache_dtype,
@@ -138,6 +140,11 @@ class LLMEngine:
         its text (e.g. a rendered chat template) for the output. Requests share cached prefixes only with
         requests of the same `cache_salt`. `stream`: step() returns the request's output after each step that
         adds to it; otherwise only its finished output (which holds the whole completion either way)."""
+        if self.sleeping or (self.weights_dropped and self._new_weights is None):
+            raise EngineAsleepError(
+                "the engine is asleep: call wake_up() before generating" if self.sleeping
+                else "the engine's weights were dropped by sleep(level=2): call update_weights() before generating"
+            )  # fmt: skip
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
@@ -204,12 +211,43 @@ class LLMEngine:
         log.info("New weights wait for %d requests in flight to finish", self.scheduler.num_in_flight)
         return False
 
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back between rollouts: level 1 frees the KV cache (and each slot's sampling
+        state), level 2 also lets go of the weights (update_weights must bring new ones after wake_up). Only
+        while no request is unfinished; nothing is compiled again on waking."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2; got {level}")
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"{len(self.parents)} requests are unfinished: let them finish, or abort them, first")
+        if self._new_weights is not None:
+            self._swap_weights()  # new weights waited for requests that have finished since
+        if not self.sleeping:
+            self.scheduler.kv.drop_cache()  # the cached K/V goes with the cache
+            freed = self.runner.release_memory()
+            self.sleeping = True
+            log.info("Asleep: %.2f GiB of KV cache and sampling state freed", freed / 2**30)
+        if level == 2 and not self.weights_dropped:
+            # Only the engine's references go: arrays a trainer handed over (and still holds) stay its own.
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                    self.model.params)  # fmt: skip
+            self.runner.params = jax.tree_util.tree_leaves(abstract)
+            self.model.params, self.weights_dropped = abstract, True
+            log.info("Weights dropped: update_weights() brings new ones")
+
+    def wake_up(self) -> None:
+        """Allocate what sleep() freed and serve again (a no-op when awake)."""
+        if self.sleeping:
+            self.runner.allocate_memory()
+            self.sleeping = False
+            log.info("Awake")
+
     def _swap_weights(self) -> bool:
         """The new weights in, if nothing in flight needs the old ones."""
         if self.in_flight is not None or self.scheduler.num_in_flight:
             return False
         self.runner.set_params(self._new_weights)
         self.model.params, self._new_weights = self._new_weights, None
+        self.weights_dropped = False
         self.scheduler.hold_new = False
         dropped = self.scheduler.kv.drop_cache()
         self.weights_version += 1

@@ -51,20 +51,10 @@ class ModelRunner:
         mesh = model.mesh
         # With a mesh, the cache is split by KV head and the host's batch arrays are replicated; the
         # shardings are made once here, so every step sees the same ones (no recompiles).
-        kv_sharding = NamedSharding(mesh, kv_cache_spec()) if mesh else None
+        kv_sharding = self.kv_sharding = NamedSharding(mesh, kv_cache_spec()) if mesh else None
         self.input_sharding = NamedSharding(mesh, PartitionSpec()) if mesh else None
-        self.kv_cache = allocate_kv_cache(
-            model.config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
-        )
-        # A device proposer's pages shadow the target's: same ids, its own arrays (nothing without one).
-        self.proposer_kv = () if proposer is None else allocate_kv_cache(
-            proposer.model_config, config.num_pages, config.page_size, config.kv_cache_dtype, kv_sharding
-        )  # fmt: skip
-        self.penalty_state = jax.device_put(
-            init_penalty_state(config.max_num_seqs, model.config.vocab_size), self.input_sharding
-        )
-        max_rows = config.seq_bucket(config.token_buckets[-1])
-        self.sampled = jax.device_put(init_sampled(max_rows, model.config.vocab_size), self.input_sharding)
+        self.proposer_config = proposer.model_config if proposer else None
+        self.allocate_memory()
         self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
         # The step's outputs, penalty state and sampled ids replicated, the caches as allocated.
         replicated = self.input_sharding
@@ -106,6 +96,32 @@ class ModelRunner:
         self.mask_fill_s: deque[float] = deque(maxlen=MASK_TIMINGS_KEPT)  # host time per constrained step
         # Across hosts the leader tells followers every step it launches (see jserve.parallel.distributed).
         self.broadcast = StepBroadcast(lambda bucket: self.prepare([], bucket)) if is_multi_process() else None
+
+    def allocate_memory(self) -> None:
+        """The device state steps carry from one to the next, as it starts: the KV cache (and a device
+        proposer's, whose pages shadow the target's: same ids, its own arrays), the penalty state and the
+        sampled-token record of each slot."""
+        cfg, vocab = self.config, self.model.config.vocab_size
+        self.kv_cache = allocate_kv_cache(
+            self.model.config, cfg.num_pages, cfg.page_size, cfg.kv_cache_dtype, self.kv_sharding
+        )
+        self.proposer_kv = () if self.proposer_config is None else allocate_kv_cache(
+            self.proposer_config, cfg.num_pages, cfg.page_size, cfg.kv_cache_dtype, self.kv_sharding
+        )  # fmt: skip
+        self.penalty_state = jax.device_put(init_penalty_state(cfg.max_num_seqs, vocab), self.input_sharding)
+        max_rows = cfg.seq_bucket(cfg.token_buckets[-1])
+        self.sampled = jax.device_put(init_sampled(max_rows, vocab), self.input_sharding)
+
+    def release_memory(self) -> int:
+        """Free the device state allocate_memory made (between requests only: no step may need it); returns
+        its bytes."""
+        state = jax.tree.leaves((self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled))
+        freed = sum(array.nbytes for array in state)
+        for array in state:
+            array.delete()
+        self.kv_cache = self.proposer_kv = self.penalty_state = self.sampled = None
+        self._continuation = None
+        return freed
 
     def warm_up(self, progress_bars: bool = False) -> None:
         """Compile every bucket now, and run each once on an all-padding batch (which writes nothing):

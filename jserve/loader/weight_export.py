@@ -49,7 +49,7 @@ def model_weights(model: LoadedModel, names: str = "hf") -> dict:
         prefix = "" if name.startswith("lm_head.") else "model."
         stem, _, projection = name.removesuffix(".weight").rpartition(".")
         if stem.endswith("mlp.experts"):  # stacked [experts, out, in]: one tensor per expert
-            for expert, weight in enumerate(array):
+            for expert, weight in enumerate(np.asarray(array)):
                 if mixtral:
                     hf = {v: k for k, v in MIXTRAL_PROJECTIONS.items()}[projection]
                     weights[f"model.{stem.replace('.mlp.', '.block_sparse_moe.')}.{expert}.{hf}.weight"] = weight
@@ -58,7 +58,7 @@ def model_weights(model: LoadedModel, names: str = "hf") -> dict:
             continue
         if mixtral and name.endswith("mlp.gate.weight"):
             name = name.replace(".mlp.", ".block_sparse_moe.")
-        weights[prefix + name] = array
+        weights[prefix + name] = np.asarray(array)
     return _fused_as_checkpoint(weights) if config.family in FUSED_IN_CHECKPOINT else weights
 
 

@@ -79,6 +79,9 @@ def updated_params(model: LoadedModel, weights: Weights, names: str = "hf") -> n
         if name not in current:
             raise WeightUpdateError(f"tensor {label!r} names no parameter of this {model.config.family} model")
         new.update(_conformed(label, array, name, current[name], floats.get(name), model))
+    if missing := [name for name, leaf in new.items() if isinstance(leaf, jax.ShapeDtypeStruct)]:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise WeightUpdateError(f"the engine's weights were dropped (sleep level 2): give every one; missing {shown}")
     return jax.tree_util.tree_map_with_path(lambda path, _: new[param_name(path)], model.params)
 
 
@@ -99,7 +102,9 @@ def _conformed(label: str, array, name: str, leaf: jax.Array, float_shape, model
         if array.dtype != leaf.dtype:
             array = array.astype(leaf.dtype)
         return {name: jax.device_put(array, leaf.sharding)}  # (the array itself when already placed so)
-    return {name: jax.device_put(np.asarray(array, dtype=leaf.dtype), leaf.sharding)}
+    # A copy of our own: on a CPU, device_put may keep a host array's buffer as the device's, and a trainer
+    # that changed its array in place would change the served weights with it.
+    return {name: jax.device_put(np.array(array, dtype=leaf.dtype), leaf.sharding)}
 
 
 def _is_float(array) -> bool:
@@ -160,6 +165,8 @@ def _engine_layout(
     for param, slots in parts.items():
         piece_of = next(p for p in pieces.values() if p.param == param)
         if any(slot is None for slot in slots):
+            if isinstance(current[param], jax.ShapeDtypeStruct):
+                continue  # no current rows to keep (sleep level 2): reported missing with the rest
             if current[param].dtype == np.int8:
                 missing = [key for key, p in pieces.items() if p.param == param and slots[p.index] is None]
                 raise WeightUpdateError(

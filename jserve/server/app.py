@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 import jserve
 from jserve.engine.args import EngineArgs
-from jserve.errors import RequestError, short_repr
+from jserve.errors import EngineAsleepError, RequestError, short_repr
 from jserve.server.async_engine import AsyncEngine, EngineState
 from jserve.server.commands import PromptInput
 from jserve.server.errors import APIError, bad_request
@@ -29,6 +29,7 @@ from jserve.server.protocol import GenerationRequest, parse_chat, parse_completi
 from jserve.server.request_body import read_json_object
 from jserve.server.responses import ChatResponses, CompletionResponses, ResponseBuilder
 from jserve.server.submission import EngineError, Submission
+from jserve.server.weight_routes import WeightRoutes
 from jserve.tools import get_tool_parser
 from jserve.tools.chat_tools import ChatTools
 from jserve.tools.extract import ToolCalls
@@ -45,6 +46,7 @@ class ServerSettings:
     chat_template: str | None = None  # overrides the checkpoint's
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, its calls read by the parser
     tool_call_parser: str | None = None  # one of jserve.tools.TOOL_PARSERS
+    enable_weight_routes: bool = False  # /v1/update_weights, /sleep, /wake_up, /is_sleeping (weight_routes.py)
 
 
 class OpenAIServer:
@@ -134,6 +136,8 @@ class OpenAIServer:
             raise bad_request(
                 str(err), gen.structured_param if err.param == "structured_outputs" else err.param
             ) from None
+        except EngineAsleepError as err:
+            raise APIError(503, str(err)) from None
         if gen.stream:
             builder.count_prompts([len(p.token_ids) for p in prompts])
             return StreamingResponse(self._stream(submission, builder, gen), media_type="text/event-stream")
@@ -315,6 +319,8 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings) -> Starlette:
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
+    if settings.enable_weight_routes:
+        routes += WeightRoutes(server).routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
                 Exception: _server_error}  # fmt: skip
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

@@ -18,13 +18,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from jserve.engine.args import EngineArgs
 from jserve.engine.engine import LLMEngine
 from jserve.errors import JServeError
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
-from jserve.server.commands import AbortRequests, AddRequests, Command, PromptInput, Stop
+from jserve.server.commands import AbortRequests, AddRequests, CallEngine, Command, PromptInput, Stop
 from jserve.server.metrics import ServerMetrics
 from jserve.server.submission import EngineError, Submission
 from jserve.structured import GrammarCompiler
@@ -100,6 +101,12 @@ class AsyncEngine:
             submission.abort()
             raise
         return submission
+
+    async def call(self, call: Callable[[LLMEngine], Any]) -> Any:
+        """`call(engine)`'s result, run on the engine thread between steps (its exception raised here)."""
+        done = asyncio.get_running_loop().create_future()
+        self.commands.put(CallEngine(call, done))
+        return await done
 
     def _abort(self, submission: Submission, unfinished: bool) -> None:
         """A submission's call ended: stop routing to it, and abort its requests if some have not finished."""
@@ -187,6 +194,12 @@ class AsyncEngine:
                     for request_id in request_ids:
                         self.engine.abort_request(request_id)
                         self._routes.pop(request_id, None)
+                case CallEngine(call, done):
+                    try:
+                        result, error = call(self.engine), None
+                    except Exception as err:  # the caller's to report; the engine goes on
+                        result, error = None, err
+                    done.get_loop().call_soon_threadsafe(_settle, done, error, result)
                 case Stop():
                     return False
 
@@ -228,9 +241,9 @@ class AsyncEngine:
         self._routes.clear()
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if not future.done():  # the handler may have been cancelled meanwhile
-        future.set_exception(error) if error is not None else future.set_result(None)
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 def _deliver_batch(batch: list[tuple[Submission, RequestOutput]]) -> None:

@@ -7,7 +7,9 @@ order and dispatches on their type (`AsyncEngine._take_commands`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from jserve.sampling_params import SamplingParams
 from jserve.server.submission import Submission
@@ -39,8 +41,16 @@ class AbortRequests:
 
 
 @dataclass(frozen=True)
+class CallEngine:
+    """Run `call(engine)` between steps (sleep, wake_up, new weights); its result or error settles `done`."""
+
+    call: Callable[[Any], Any]
+    done: asyncio.Future
+
+
+@dataclass(frozen=True)
 class Stop:
     """Fail what is still in flight and end the engine thread."""
 
 
-Command = AddRequests | AbortRequests | Stop
+Command = AddRequests | AbortRequests | CallEngine | Stop
