@@ -74,7 +74,7 @@ class LLM:
         float engines only), "jserve" the engine's own arrays as they are (no copy: hand them, or arrays
         like them, back to update_weights). A trainer that donates these arrays to its own jitted update
         deletes them under the engine: update the weights again before generating."""
-        if self.engine.weights_dropped:
+        if self.engine.weights.dropped:
             raise EngineAsleepError("the engine's weights were dropped by sleep(level=2): update_weights() first")
         return model_weights(self.engine.model, names)
 
@@ -89,7 +89,7 @@ class LLM:
 
     @property
     def is_sleeping(self) -> bool:
-        return self.engine.sleeping
+        return self.engine.weights.sleeping
 
     def close(self) -> None:
         """Multi-host runs (docs/scale-out.md): on process 0, release the followers when done; a no-op on one

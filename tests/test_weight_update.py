@@ -197,7 +197,7 @@ def test_requests_in_flight_finish_on_their_weights(llamas, fresh_second):
     for _ in range(3):
         engine.step()
     llm.update_weights(second_torch.state_dict())
-    assert engine.weights_version == 0  # waiting for "old"
+    assert engine.weights.version == 0  # waiting for "old"
     new = engine.add_request(PROMPTS[1], GREEDY, request_id="new")
     finished = {}
     while engine.has_unfinished_requests():

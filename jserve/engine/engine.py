@@ -20,14 +20,13 @@ from jserve.engine.progress import progress
 from jserve.engine.request import Request, RequestStatus
 from jserve.engine.runner import ModelRunner
 from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
+from jserve.engine.served_weights import ServedWeights
 from jserve.engine.speculation import Speculation, StepProposer
 from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
 from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
-from jserve.errors import EngineAsleepError, WeightUpdateError
 from jserve.loader import LoadedModel
 from jserve.outputs import RequestOutput
-from jserve.parallel.distributed import is_multi_process
 from jserve.sampling_params import SamplingParams
 from jserve.spec_decode import Drafter, Speculator
 from jserve.structured import GrammarCompiler
@@ -84,10 +83,7 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None  # async scheduling: launched, samples not yet processed
         self._busy = False  # requests were unfinished after the last step: the next one is back to back
         self._aborted: set[str] = set()  # parents aborted since the last step: their outputs are due
-        self.weights_version = 0  # +1 with each swap of weights (update_weights): every output carries it
-        self._new_weights: nnx.State | None = None  # to swap in once the requests in flight have finished
-        self.sleeping = False  # sleep(): the KV cache is freed until wake_up()
-        self.weights_dropped = False  # sleep(level=2): no weights until update_weights()
+        self.weights = ServedWeights(model, self.runner, self.scheduler)
         log.info(
             "KV cache: %d pages of %d tokens = %d tokens of %s, %.2f GiB; max concurrency at max_model_len %d: %.1f",
             config.num_pages, config.page_size, config.num_pages * config.page_size, config.kv_cache_dtype,
@@ -140,11 +136,7 @@ class LLMEngine:
         its text (e.g. a rendered chat template) for the output. Requests share cached prefixes only with
         requests of the same `cache_salt`. `stream`: step() returns the request's output after each step that
         adds to it; otherwise only its finished output (which holds the whole completion either way)."""
-        if self.sleeping or (self.weights_dropped and self._new_weights is None):
-            raise EngineAsleepError(
-                "the engine is asleep: call wake_up() before generating" if self.sleeping
-                else "the engine's weights were dropped by sleep(level=2): call update_weights() before generating"
-            )  # fmt: skip
+        self.weights.check_serving()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.parents:
@@ -194,65 +186,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
-    # --- weights ---------------------------------------------------------------------------------
+    # --- weights and device memory (served_weights.py) -------------------------------------------
 
     def update_weights(self, params: nnx.State) -> bool:
         """Serve `params` (the model's params with new values: loader.weight_update) from now on, without
         compiling anything. Requests in flight (running, or preempted and waiting to resume) finish on the
         weights they started with; requests that have not started wait, and the new weights take over as soon
-        as the last request in flight is done (at once if none is). Cached prefixes are dropped then (their
-        K/V came from the old weights). Returns whether the new weights serve already."""
-        if is_multi_process():
-            raise WeightUpdateError("new weights reach this process's engine only: across hosts, reload instead")
-        self._new_weights = params
-        self.scheduler.hold_new = True
-        if self._swap_weights():
-            return True
-        log.info("New weights wait for %d requests in flight to finish", self.scheduler.num_in_flight)
-        return False
+        as the last request in flight is done (at once if none is). Returns whether they serve already."""
+        return self.weights.update(params, self.in_flight is not None)
 
     def sleep(self, level: int = 1) -> None:
-        """Give the device memory back between rollouts: level 1 frees the KV cache (and each slot's sampling
-        state), level 2 also lets go of the weights (update_weights must bring new ones after wake_up). Only
-        while no request is unfinished; nothing is compiled again on waking."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2; got {level}")
+        """Give the device memory back between rollouts: level 1 frees the KV cache, level 2 also lets go of
+        the weights (update_weights must bring new ones). Only while no request is unfinished."""
         if self.has_unfinished_requests():
             raise RuntimeError(f"{len(self.parents)} requests are unfinished: let them finish, or abort them, first")
-        if self._new_weights is not None:
-            self._swap_weights()  # new weights waited for requests that have finished since
-        if not self.sleeping:
-            self.scheduler.kv.drop_cache()  # the cached K/V goes with the cache
-            freed = self.runner.release_memory()
-            self.sleeping = True
-            log.info("Asleep: %.2f GiB of KV cache and sampling state freed", freed / 2**30)
-        if level == 2 and not self.weights_dropped:
-            # Only the engine's references go: arrays a trainer handed over (and still holds) stay its own.
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                    self.model.params)  # fmt: skip
-            self.runner.params = jax.tree_util.tree_leaves(abstract)
-            self.model.params, self.weights_dropped = abstract, True
-            log.info("Weights dropped: update_weights() brings new ones")
+        self.weights.sleep(level)
 
     def wake_up(self) -> None:
-        """Allocate what sleep() freed and serve again (a no-op when awake)."""
-        if self.sleeping:
-            self.runner.allocate_memory()
-            self.sleeping = False
-            log.info("Awake")
-
-    def _swap_weights(self) -> bool:
-        """The new weights in, if nothing in flight needs the old ones."""
-        if self.in_flight is not None or self.scheduler.num_in_flight:
-            return False
-        self.runner.set_params(self._new_weights)
-        self.model.params, self._new_weights = self._new_weights, None
-        self.weights_dropped = False
-        self.scheduler.hold_new = False
-        dropped = self.scheduler.kv.drop_cache()
-        self.weights_version += 1
-        log.info("Weights version %d serving; %d cached prefix pages dropped", self.weights_version, dropped)
-        return True
+        self.weights.wake_up()
 
     # --- across hosts ----------------------------------------------------------------------------
 
@@ -273,8 +224,8 @@ class LLMEngine:
         start = time.perf_counter()
         if not self._busy:
             self.stats.resume()
-        if self._new_weights is not None:
-            self._swap_weights()
+        if self.weights.pending is not None:
+            self.weights.swap(self.in_flight is not None)
         host = (self.runner.prepare_s, self.outputs.detokenize_s)
         changed, self._aborted = self._aborted, set()  # requests aborted since the last step
         waited = 0.0
@@ -298,7 +249,7 @@ class LLMEngine:
             waited += self._process(self.in_flight, changed)  # only surplus tokens: leave the engine idle
             self.in_flight = None
         outputs_at = time.perf_counter()
-        version = self.weights_version
+        version = self.weights.version
         results = [self.parents[pid].output(self.outputs, version) for pid in changed]
         for out in results:
             if out.finished:

@@ -104,7 +104,7 @@ def _conformed(label: str, array, name: str, leaf: jax.Array, float_shape, model
         return {name: jax.device_put(array, leaf.sharding)}  # (the array itself when already placed so)
     # A copy of our own: on a CPU, device_put may keep a host array's buffer as the device's, and a trainer
     # that changed its array in place would change the served weights with it.
-    return {name: jax.device_put(np.array(array, dtype=leaf.dtype), leaf.sharding)}
+    return {name: jax.device_put(np.asarray(array).astype(leaf.dtype, copy=True), leaf.sharding)}
 
 
 def _is_float(array) -> bool:

@@ -41,7 +41,7 @@ class WeightRoutes:
         except WeightUpdateError as err:
             raise bad_request(str(err), "path") from None
         swapped, version = await self.engine.call(
-            lambda engine: (engine.update_weights(params), engine.weights_version)
+            lambda engine: (engine.update_weights(params), engine.weights.version)
         )
         return JSONResponse({"weights_version": version if swapped else version + 1})
 
@@ -66,7 +66,7 @@ class WeightRoutes:
     async def is_sleeping(self, request: Request) -> Response:
         self.server._authorize(request)
         self.server._check_ready()
-        return JSONResponse({"is_sleeping": await self.engine.call(lambda engine: engine.sleeping)})
+        return JSONResponse({"is_sleeping": await self.engine.call(lambda engine: engine.weights.sleeping)})
 
     async def _read(self, request: Request) -> dict:
         body = await self.server._read_json(request)
