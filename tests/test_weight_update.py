@@ -6,6 +6,7 @@ import dataclasses
 import gc
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -16,6 +17,7 @@ from jserve.loader import load_model
 from jserve.loader.weight_update import updated_params
 from jserve.loader.weights import leaves_by_name
 from jserve.models.quantization import Quantization
+from jserve.training import token_logprobs_fn
 
 from test_engine import prompts, tiny_llm
 from tiny_models import VARIANTS, assert_engine_idle, reference_logits, save_tiny_checkpoint
@@ -293,3 +295,42 @@ def test_rollouts_score_their_tokens_as_the_model_does(llamas):
                                    atol=1e-4)  # fmt: skip
     again = llm.generate([prompt], params, use_tqdm=False)[0].outputs
     assert [c.token_ids for c in again] == [c.token_ids for c in completions]
+
+
+@pytest.mark.parametrize("variant", ["llama", "gemma2"])
+def test_training_scores_match_the_engine_and_train(tmp_path, variant):
+    """token_logprobs_fn scores a rollout's tokens as the engine did (sliding windows and soft-caps
+    included), and a gradient step on that score, handed back without a copy, makes the engine score them
+    higher."""
+    (first, _), _ = pair(tmp_path, variant)
+    llm = tiny_llm(first)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, seed=2)
+    prompt = PROMPTS[1]
+    completions = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    sequences = [prompt + c.token_ids for c in completions]
+    score = jax.jit(token_logprobs_fn(llm.engine.model))
+    weights = llm.get_weights(names="jserve")
+    scored = np.asarray(score(weights, jnp.array(sequences, jnp.int32)))[:, len(prompt) - 1 :]
+    rollout = [[entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs, strict=True)] for c in completions]
+    np.testing.assert_allclose(scored, rollout, atol=2e-5)
+    grads = jax.grad(lambda p: score(p, jnp.array(sequences, jnp.int32))[:, len(prompt) - 1 :].sum())(weights)
+    llm.update_weights({name: w + 1e-3 * grads[name] for name, w in weights.items()}, names="jserve")
+    after = engine_scores(llm, sequences, len(prompt))
+    assert np.sum(after) > np.sum(rollout)
+    now = np.asarray(score(llm.get_weights(names="jserve"), jnp.array(sequences, jnp.int32)))
+    np.testing.assert_allclose(now[:, len(prompt) - 1 :], after, atol=2e-5)
+
+
+def engine_scores(llm, sequences: list[list[int]], start: int) -> list[list[float]]:
+    """The engine's logprob of each sequence's tokens from `start` on, scored as a prompt."""
+    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate(sequences, scoring, use_tqdm=False)
+    return [[entry[token].logprob for token, entry in zip(seq[start:], out.prompt_logprobs[start:], strict=True)]
+            for seq, out in zip(sequences, outs, strict=True)]  # fmt: skip
+
+
+def test_training_scores_need_float_dense_models(llamas):
+    with pytest.raises(ValueError, match="float weights"):
+        token_logprobs_fn(
+            dataclasses.replace(load_model(llamas[0][0], dtype="float32"), quantization=Quantization.INT8)
+        )
