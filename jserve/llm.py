@@ -11,7 +11,6 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jserve.engine.args import EngineArgs
-from jserve.errors import EngineAsleepError
 from jserve.heap import frozen_heap
 from jserve.loader.weight_export import model_weights
 from jserve.loader.weight_update import Weights, updated_params
@@ -74,8 +73,7 @@ class LLM:
         float engines only), "jserve" the engine's own arrays as they are (no copy: hand them, or arrays
         like them, back to update_weights). A trainer that donates these arrays to its own jitted update
         deletes them under the engine: update the weights again before generating."""
-        if self.engine.weights.dropped:
-            raise EngineAsleepError("the engine's weights were dropped by sleep(level=2): update_weights() first")
+        self.engine.weights.check_held()
         return model_weights(self.engine.model, names)
 
     def sleep(self, level: int = 1) -> None:

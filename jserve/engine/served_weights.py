@@ -35,10 +35,13 @@ class ServedWeights:
         """Raise if a request cannot be served now (asleep, or without weights)."""
         if self.sleeping:
             raise EngineAsleepError("the engine is asleep: call wake_up() before generating")
-        if self.dropped and self.pending is None:
-            raise EngineAsleepError(
-                "the engine's weights were dropped by sleep(level=2): call update_weights() before generating"
-            )
+        if self.pending is None:
+            self.check_held()
+
+    def check_held(self) -> None:
+        """Raise if sleep(level=2) let the weights go and none came since."""
+        if self.dropped:
+            raise EngineAsleepError("the engine's weights were dropped by sleep(level=2): call update_weights() first")
 
     def update(self, params: nnx.State, step_in_flight: bool) -> bool:
         """Serve `params` (the model's params with new values: loader.weight_update) once nothing is in

@@ -46,8 +46,12 @@ class LoadedModel:
     dtype: jnp.dtype
     source: ModelSource
     placement: WeightPlacement  # the checkpoint's config and the served one, and where each weight lives
-    mesh: Mesh | None = None  # tensor parallelism: the devices the weights are split over
     quantization: Quantization = Quantization.NONE  # int8, w8a8: projections, embedding and head hold int8 weights
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """Tensor parallelism: the devices the weights are split over (None: one device)."""
+        return self.placement.mesh
 
     def save_orbax(self, folder: str | os.PathLike) -> None:
         if self.quantization is not Quantization.NONE:
@@ -152,9 +156,7 @@ def load_model(
         else "GGUF blocks" if quantization is Quantization.GGUF else target_dtype.name,
         sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
-    return LoadedModel(
-        placement.config, graphdef, params, tokenizer, target_dtype, source, placement, mesh, quantization
-    )
+    return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, placement, quantization)
 
 
 def resolve_quantization(quantization: str, source: ModelSource, mesh: Mesh | None, dtype: str) -> Quantization:

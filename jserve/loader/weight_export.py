@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from jserve.loader import LoadedModel
 
 KV_PIECES = ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
+MIXTRAL_NAMES = {projection: name for name, projection in MIXTRAL_PROJECTIONS.items()}  # gate_proj -> w1
 FUSED_IN_CHECKPOINT = ("phi3",)  # families whose checkpoints hold q/k/v and gate/up fused
 FUSED_PIECES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -51,7 +52,7 @@ def model_weights(model: LoadedModel, names: str = "hf") -> dict:
         if stem.endswith("mlp.experts"):  # stacked [experts, out, in]: one tensor per expert
             for expert, weight in enumerate(np.asarray(array)):
                 if mixtral:
-                    hf = {v: k for k, v in MIXTRAL_PROJECTIONS.items()}[projection]
+                    hf = MIXTRAL_NAMES[projection]
                     weights[f"model.{stem.replace('.mlp.', '.block_sparse_moe.')}.{expert}.{hf}.weight"] = weight
                 else:
                     weights[f"model.{stem}.{expert}.{projection}.weight"] = weight

@@ -56,8 +56,9 @@ def updated_params(model: LoadedModel, weights: Weights, names: str = "hf") -> n
             "with --dtype float32 (or --quantization int8) to update its weights"
         )
     current = leaves_by_name(model.params)
+    module = abstract_module(model.config, model.dtype, parallelism=model.placement.parallelism)
     if isinstance(weights, (str, os.PathLike)):
-        given = _engine_layout(model, current, _checkpoint_file_tensors(Path(weights)))
+        given = _engine_layout(model, module, current, _checkpoint_file_tensors(Path(weights)))
     elif isinstance(weights, (nnx.Module, nnx.State)):
         state = nnx.state(weights) if isinstance(weights, nnx.Module) else weights
         given = {name: (name, array) for name, array in leaves_by_name(state).items()}
@@ -65,7 +66,7 @@ def updated_params(model: LoadedModel, weights: Weights, names: str = "hf") -> n
         if names == "jserve":
             given = {name: (name, array) for name, array in leaves_by_name(dict(weights)).items()}
         else:
-            given = _engine_layout(model, current, weights.items())
+            given = _engine_layout(model, module, current, weights.items())
     else:
         raise WeightUpdateError(
             f"weights must be a Flax NNX model or State, a mapping of names to arrays, or a checkpoint path; "
@@ -73,7 +74,7 @@ def updated_params(model: LoadedModel, weights: Weights, names: str = "hf") -> n
         )
     if not given:
         raise WeightUpdateError("no weights given")
-    floats = _float_shapes(model)
+    floats = _float_shapes(model, module)
     new = dict(current)
     for name, (label, array) in given.items():
         if name not in current:
@@ -112,11 +113,11 @@ def _is_float(array) -> bool:
     return dtype is None or "float" in str(dtype)
 
 
-def _float_shapes(model: LoadedModel) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape as a float weight (of an int8 parameter: before quantizing)."""
+def _float_shapes(model: LoadedModel, module) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape as a float weight (of an int8 parameter: before quantizing), from the model's
+    abstract float module."""
     if not model.quantization.quantized:
         return {}
-    module = abstract_module(model.config, model.dtype, parallelism=model.placement.parallelism)
     return {name: tuple(leaf.shape) for name, leaf in leaves_by_name(nnx.state(module)).items()}
 
 
@@ -134,12 +135,12 @@ def _checkpoint_file_tensors(path: Path) -> Iterable[tuple[str, np.ndarray]]:
 
 
 def _engine_layout(
-    model: LoadedModel, current: dict[str, jax.Array], tensors: Iterable[tuple[str, Any]]
+    model: LoadedModel, module, current: dict[str, jax.Array], tensors: Iterable[tuple[str, Any]]
 ) -> dict[str, tuple[str, Any]]:
-    """{parameter: (the name it was given as, its array)} from checkpoint-named tensors, pieces fused."""
+    """{parameter: (the name it was given as, its array)} from checkpoint-named tensors, pieces fused
+    (`module`: the model's abstract float module)."""
     placement, config = model.placement, model.config
     original = placement.original
-    module = abstract_module(config, model.dtype, parallelism=placement.parallelism)
     pieces = fused_pieces(module)
     expected = checkpoint_tensors(
         module if original == config else abstract_module(original, model.dtype, parallelism=placement.parallelism)

@@ -46,8 +46,7 @@ class WeightRoutes:
         return JSONResponse({"weights_version": version if swapped else version + 1})
 
     async def sleep(self, request: Request) -> Response:
-        self.server._authorize(request)
-        self.server._check_ready()
+        self._allow(request)
         level = request.query_params.get("level", "1")
         if level not in ("1", "2"):
             raise bad_request("level must be 1 or 2", "level")
@@ -58,17 +57,19 @@ class WeightRoutes:
         return JSONResponse({"is_sleeping": True})
 
     async def wake_up(self, request: Request) -> Response:
-        self.server._authorize(request)
-        self.server._check_ready()
+        self._allow(request)
         await self.engine.call(lambda engine: engine.wake_up())
         return JSONResponse({"is_sleeping": False})
 
     async def is_sleeping(self, request: Request) -> Response:
-        self.server._authorize(request)
-        self.server._check_ready()
+        self._allow(request)
         return JSONResponse({"is_sleeping": await self.engine.call(lambda engine: engine.weights.sleeping)})
 
     async def _read(self, request: Request) -> dict:
-        body = await self.server._read_json(request)
+        body = await self.server._read_json(request)  # (authorized there)
         self.server._check_ready()
         return body
+
+    def _allow(self, request: Request) -> None:
+        self.server._authorize(request)
+        self.server._check_ready()
