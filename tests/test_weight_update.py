@@ -17,7 +17,7 @@ from jserve.loader import load_model
 from jserve.loader.weight_update import updated_params
 from jserve.loader.weights import leaves_by_name
 from jserve.models.quantization import Quantization
-from jserve.training import token_logprobs_fn
+from jserve.training import rollout_batch, token_logprobs_fn
 
 from test_engine import prompts, tiny_llm
 from tiny_models import VARIANTS, assert_engine_idle, reference_logits, save_tiny_checkpoint
@@ -299,26 +299,41 @@ def test_rollouts_score_their_tokens_as_the_model_does(llamas):
 
 @pytest.mark.parametrize("variant", ["llama", "gemma2"])
 def test_training_scores_match_the_engine_and_train(tmp_path, variant):
-    """token_logprobs_fn scores a rollout's tokens as the engine did (sliding windows and soft-caps
-    included), and a gradient step on that score, handed back without a copy, makes the engine score them
-    higher."""
+    """token_logprobs_fn scores a rollout's tokens as the engine did (sliding windows and soft-caps included;
+    prompts of two lengths padded into rows by rollout_batch), and a gradient step on that score, handed back
+    without a copy, makes the engine score them higher."""
     (first, _), _ = pair(tmp_path, variant)
     llm = tiny_llm(first)
     params = SamplingParams(n=2, temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0, seed=2)
-    prompt = PROMPTS[1]
-    completions = llm.generate([prompt], params, use_tqdm=False)[0].outputs
-    sequences = [prompt + c.token_ids for c in completions]
+    prompts = [PROMPTS[1], PROMPTS[1][:5]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    batch = rollout_batch(outs, length=len(PROMPTS[1]) + 8 + 3)
+    assert batch.completion_mask.sum() == 4 * 8
     score = jax.jit(token_logprobs_fn(llm.engine.model))
     weights = llm.get_weights(names="jserve")
-    scored = np.asarray(score(weights, jnp.array(sequences, jnp.int32)))[:, len(prompt) - 1 :]
-    rollout = [[entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs, strict=True)] for c in completions]
-    np.testing.assert_allclose(scored, rollout, atol=2e-5)
-    grads = jax.grad(lambda p: score(p, jnp.array(sequences, jnp.int32))[:, len(prompt) - 1 :].sum())(weights)
+    scored = np.asarray(score(weights, jnp.asarray(batch.tokens)))
+    np.testing.assert_allclose(scored * batch.completion_mask, batch.sampled_logprobs, atol=2e-5)
+    sequences = [out.prompt_token_ids + c.token_ids for out in outs for c in out.outputs]
+    before = engine_scores(llm, sequences[:2], len(PROMPTS[1]))
+
+    def completion_score(p):
+        return (score(p, jnp.asarray(batch.tokens)) * batch.completion_mask)[:2].sum()
+
+    grads = jax.grad(completion_score)(weights)
     llm.update_weights({name: w + 1e-3 * grads[name] for name, w in weights.items()}, names="jserve")
-    after = engine_scores(llm, sequences, len(prompt))
-    assert np.sum(after) > np.sum(rollout)
-    now = np.asarray(score(llm.get_weights(names="jserve"), jnp.array(sequences, jnp.int32)))
-    np.testing.assert_allclose(now[:, len(prompt) - 1 :], after, atol=2e-5)
+    after = engine_scores(llm, sequences[:2], len(PROMPTS[1]))
+    assert np.sum(after) > np.sum(before)
+    now = np.asarray(score(llm.get_weights(names="jserve"), jnp.array(sequences[:2], jnp.int32)))
+    np.testing.assert_allclose(now[:, len(PROMPTS[1]) - 1 :], after, atol=2e-5)
+
+
+def test_rollout_batch_refuses_rows_too_short(llamas):
+    llm = tiny_llm(llamas[0][0])
+    outs = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    batch = rollout_batch(outs, length=len(PROMPTS[0]) + 4)
+    assert batch.sampled_logprobs is None and batch.completion_mask.sum() == 4
+    with pytest.raises(ValueError, match="do not fit rows of"):
+        rollout_batch(outs, length=len(PROMPTS[0]) + 3)
 
 
 def engine_scores(llm, sequences: list[list[int]], start: int) -> list[list[float]]:

@@ -19,6 +19,8 @@
 #             the engine on the GPU against transformers
 #   notebook  notebooks/colab_gpu_demo.ipynb top to bottom (its model: the default one, whose GGUF the call
 #             must carry in two parts, see prepare.sh; without it the stage says so)
+#   weights   benchmarks/weight_update.py on random weights of Llama-3.2-1B's shape (float32): new weights from
+#             the engine's own arrays, host arrays and a folder, against a new LLM; sleep and wake
 # The model is random weights of Llama-3-8B's shape in bfloat16. profile, roofline and serve build the same
 # engine (sequences, token budget, context, KV cache size), so they share compiled executables through jserve's
 # compilation cache.
@@ -29,7 +31,7 @@ cd "$(dirname "$0")/../.."
 
 DRY_RUN=0
 BUDGET=480
-STAGES="env,profile,roofline,kernels,serve,tests,notebook"
+STAGES="env,profile,roofline,kernels,serve,tests,notebook,weights"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
@@ -47,10 +49,12 @@ PYTHON="${PYTHON:-python3}"
 if [ "$DRY_RUN" = 1 ]; then  # toy sizes on the CPU: every code path, in a few minutes
   MODEL="random:smollm2-135m" CONTEXT=64 MAX_LEN=256 SEQS=4 TOKENS=64 KV=$((256 << 20))
   DECODE_BATCHES="1 4" PROFILE_BATCHES="1 4" PREFILL_SEQS=4 CONCURRENCY="1 4" OUTPUT_LEN=16
+  WEIGHTS_MODEL="random:smollm2-135m"
   KERNEL_ARGS="--shape smollm2-135m --dtype float32 --seqs 4 --context 128 --chunk 32 --backends cpu reference"
 else
   MODEL="random:llama3-8b" CONTEXT=1024 MAX_LEN=1280 SEQS=256 TOKENS=2048 KV=$((48 << 30))
   DECODE_BATCHES="1 16 64 256" PROFILE_BATCHES="1 64" PREFILL_SEQS=16 CONCURRENCY="1 64 256" OUTPUT_LEN=128
+  WEIGHTS_MODEL="random:llama3.2-1b"
   KERNEL_ARGS="--shape llama3-8b --seqs 64 --context 2048 --chunk 512 --backends pallas pallas-mosaic-gpu reference"
 fi
 ENGINE_ARGS="--max-model-len $MAX_LEN --kv-cache-memory $KV --max-num-batched-tokens $TOKENS"
@@ -118,6 +122,10 @@ stage_notebook() {
   "$PYTHON" benchmarks/gpu/run_notebook.py notebooks/colab_gpu_demo.ipynb
 }
 
+stage_weights() {
+  "$PYTHON" benchmarks/weight_update.py --model "$WEIGHTS_MODEL" --repeats 1
+}
+
 if [ -n "${STAGE_BODY:-}" ]; then
   "stage_$STAGE_BODY"
   exit $?
@@ -162,8 +170,8 @@ echo "set-up $(( $(date +%s) - START )) s; budget ${BUDGET} s; stages $STAGES; o
 # The longest each stage may take, seconds (at toy sizes they take far less). The first stage to build the 8B
 # engine (profile) compiles its step buckets, for a GPU with autotuning, and fills the compilation cache the
 # later ones read: its share is the largest. Once the budget is spent, the last stages are skipped.
-declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [serve]=150 [notebook]=60)
-declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [serve]=80 [notebook]=30)
+declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [serve]=150 [notebook]=60 [weights]=90)
+declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [serve]=80 [notebook]=30 [weights]=45)
 IFS=, read -ra ORDER <<< "$STAGES"
 for name in "${ORDER[@]}"; do
   left=$((DEADLINE - $(date +%s)))
