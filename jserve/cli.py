@@ -12,6 +12,7 @@ from jserve.config_file import parse_args
 from jserve.engine.args import EngineArgs
 from jserve.errors import JServeError
 from jserve.parallel.distributed import DistributedArgs, is_leader
+from jserve.startup import create_engine
 
 log = logging.getLogger("jserve")
 
@@ -126,7 +127,7 @@ def run_command(args: argparse.Namespace) -> int | None:
     if hasattr(args, "distributed"):
         DistributedArgs.from_cli_args(args).initialize()
         if not is_leader():
-            EngineArgs.from_cli_args(args).create_engine().follow()
+            create_engine(EngineArgs.from_cli_args(args)).follow()
             return 0
     commands = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "convert": cmd_convert}
     return commands[args.command](args)

@@ -42,6 +42,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    lm_head: bool = True  # False: the base model alone, its hidden states out (an embedder needs no head)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

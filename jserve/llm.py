@@ -8,21 +8,27 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jserve.engine.args import EngineArgs
 from jserve.heap import frozen_heap
 from jserve.loader.weight_export import model_weights
 from jserve.loader.weight_update import Weights, updated_params
-from jserve.outputs import RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jserve.pooling import EmbeddingEngine
+from jserve.pooling.vectors import cosine
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
+from jserve.startup import create_engine
 from jserve.tools import get_tool_parser
 from jserve.tools.chat_tools import ChatTools
 from jserve.tools.extract import ToolCalls
 from jserve.tools.spec import parse_tool_use
 
 Prompt = str | list[int]
+# an input to embed: text, token ids, or vLLM's {"prompt_token_ids": [...]}
+EmbedInput = str | list[int] | dict
 Messages = list[dict]
 PromptIds = tuple[str | None, list[int]]  # a prompt's text (None for token ids given as such) and its ids
 
@@ -45,8 +51,13 @@ class LLM:
         return llm
 
     def _start(self, args: EngineArgs) -> None:
-        self.engine = args.create_engine(progress_bars=True)
+        self.engine = create_engine(args, progress_bars=True)
         self.tokenizer = self.engine.tokenizer
+
+    @property
+    def embeds(self) -> bool:
+        """Whether this is an embedding model (task embed: `embed` and `score`, not `generate`)."""
+        return isinstance(self.engine, EmbeddingEngine)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -66,28 +77,29 @@ class LLM:
         Requests already running (a stream not yet read to its end) finish on the weights they started
         with; the new ones take over as soon as none is left, before any later request starts. Cached
         prompt prefixes are dropped then. Outputs say which weights produced them (`weights_version`)."""
-        self.engine.update_weights(updated_params(self.engine.model, weights, names))
+        engine = self._generator()
+        engine.update_weights(updated_params(engine.model, weights, names))
 
     def get_weights(self, names: str = "hf") -> dict:
         """The weights the engine serves, by name: "hf" as a Hugging Face checkpoint holds them (host arrays,
         float engines only), "jserve" the engine's own arrays as they are (no copy: hand them, or arrays
         like them, back to update_weights). A trainer that donates these arrays to its own jitted update
         deletes them under the engine: update the weights again before generating."""
-        self.engine.weights.check_held()
+        self._generator().weights.check_held()
         return model_weights(self.engine.model, names)
 
     def sleep(self, level: int = 1) -> None:
         """Hand device memory back while the trainer runs: level 1 frees the KV cache, level 2 also lets go of
         the weights (after wake_up, update_weights must bring new ones before generating). Generating while
         asleep is an EngineAsleepError; wake_up() serves again without compiling anything."""
-        self.engine.sleep(level)
+        self._generator().sleep(level)
 
     def wake_up(self) -> None:
-        self.engine.wake_up()
+        self._generator().wake_up()
 
     @property
     def is_sleeping(self) -> bool:
-        return self.engine.weights.sleeping
+        return self._generator().weights.sleeping
 
     def close(self) -> None:
         """Multi-host runs (docs/scale-out.md): on process 0, release the followers when done; a no-op on one
@@ -152,7 +164,7 @@ class LLM:
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got n={params.n}")
         text, ids = self._encode(prompt)
-        request_id = self.engine.add_request(ids, params, prompt_text=text)
+        request_id = self._generator().add_request(ids, params, prompt_text=text)
         try:
             while True:
                 for out in self.engine.step():
@@ -165,6 +177,80 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)  # no-op once finished; frees the pages if the caller stopped early
 
+    def embed(
+        self,
+        inputs: EmbedInput | Sequence[EmbedInput],
+        *,
+        prompt_name: str | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per input (an embedding model), in input order: `outputs.embedding` of each.
+
+        `inputs`: a text, token ids, vLLM's {"prompt_token_ids": ids}, or a list of them. Texts are tokenized
+        with the checkpoint's special tokens, as sentence-transformers does, after its prompt `prompt_name`
+        (one of the model's named prompts, e.g. "query"; default: the model's default prompt, if any) is put
+        before them. `dimensions`: cut each vector to its first so many values, normalized again (matryoshka
+        models only)."""
+        engine = self._embedder()
+        items = [inputs] if isinstance(inputs, str | dict) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        prefix = self._embedding_prompt(prompt_name)
+        prompts = [self._embedding_ids(item, prefix) for item in items]
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        ids: list[str] = []
+        try:
+            for (text, prompt_ids), prio in zip(prompts, priorities, strict=True):
+                ids.append(engine.add_request(prompt_ids, priority=prio, prompt_text=text, dimensions=dimensions))
+            return self._drain(ids, use_tqdm, "Embedding")
+        except BaseException:  # a bad input, or Ctrl-C: withdraw this batch, leave the engine usable
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], **embed_options) -> list[float]:
+        """The cosine similarity of each pair of texts (one against many, or pairwise: lists of one length), as
+        vLLM's score for embedding models."""
+        left = [text_1] if isinstance(text_1, str) else list(text_1)
+        right = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(left) != 1 and len(left) != len(right):
+            raise ValueError(f"score pairs texts: got {len(left)} and {len(right)} (one against many, or as many)")
+        vectors = [np.asarray(o.outputs.embedding) for o in self.embed(left + right, **embed_options)]
+        firsts, seconds = vectors[: len(left)], vectors[len(left) :]
+        firsts = firsts * len(seconds) if len(firsts) == 1 else firsts
+        return [float(cosine(a, b)) for a, b in zip(firsts, seconds, strict=True)]
+
+    def _embedder(self) -> EmbeddingEngine:
+        if not self.embeds:
+            raise ValueError("this model generates text: embed an input with an embedding model (a checkpoint with "
+                             "sentence-transformers pooling files, or LLM(model, task='embed'))")  # fmt: skip
+        return self.engine
+
+    def _generator(self):
+        if self.embeds:
+            raise ValueError("this is an embedding model (task embed): it makes vectors with LLM.embed, not text")
+        return self.engine
+
+    def _embedding_prompt(self, prompt_name: str | None) -> str:
+        pooling = self.engine.pooling
+        name = prompt_name if prompt_name is not None else pooling.default_prompt_name
+        if name is None:
+            return ""
+        if name not in pooling.prompts:
+            raise ValueError(f"prompt_name {name!r} is not one of the model's prompts {sorted(pooling.prompts)}")
+        return pooling.prompts[name]
+
+    def _embedding_ids(self, item: EmbedInput, prefix: str) -> PromptIds:
+        if isinstance(item, dict):
+            if set(item) != {"prompt_token_ids"}:
+                raise ValueError(f"an input given as a dict has one key, prompt_token_ids; got {sorted(item)}")
+            return None, list(item["prompt_token_ids"])
+        if isinstance(item, str):
+            text = prefix + item
+            text = text.lower() if self.engine.pooling.lower_case else text
+            return text, self.tokenizer.encode(text)
+        return None, list(item)
+
     def _encode(self, prompt: Prompt) -> PromptIds:
         """A prompt's ids: text is encoded here (with the checkpoint's BOS/EOS rules), as the engine takes ids."""
         if isinstance(prompt, str):
@@ -172,6 +258,7 @@ class LLM:
         return None, list(prompt)
 
     def _run(self, prompts: list[PromptIds], sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+        self._generator()
         params = _per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         ids: list[str] = []
@@ -185,20 +272,27 @@ class LLM:
             self.engine.step()  # hand the aborted requests' pages back now
             raise
 
-    def _drain(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _drain(self, ids: list[str], use_tqdm: bool, what: str = "Generating") -> list:
+        """Step the engine until these requests finish; their outputs in order. The bar shows output tokens per
+        second, or input tokens per second for an embedding model."""
         pending = set(ids)
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
-        start, generated = time.perf_counter(), 0
+        done: dict = {}
+        bar = tqdm(total=len(ids), desc=what, unit="req", disable=not use_tqdm)
+        start, tokens = time.perf_counter(), 0
         with frozen_heap():  # no full garbage collection pausing the loop (jserve/heap.py)
             while pending:
                 for out in self.engine.step():
                     if out.request_id in pending and out.finished:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
-                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, EmbeddingRequestOutput):
+                            tokens += len(out.prompt_token_ids)
+                            rate = {"in_tok_s": f"{tokens / (time.perf_counter() - start):.1f}"}
+                        else:
+                            tokens += sum(len(c.token_ids) for c in out.outputs)
+                            rate = {"out_tok_s": f"{tokens / (time.perf_counter() - start):.1f}"}
                         bar.update(1)
-                        bar.set_postfix(out_tok_s=f"{generated / (time.perf_counter() - start):.1f}")
+                        bar.set_postfix(rate)
         bar.close()
         return [done[i] for i in ids]
 

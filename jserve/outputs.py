@@ -76,3 +76,20 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
     weights_version: int = 0  # the weights that produced it: 0 as loaded, +1 with each LLM.update_weights
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """One input's vector, shaped like vLLM's (`output.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    prompt: str | None = None
+    finished: bool = True
+    num_cached_tokens: int = 0  # leading tokens whose K/V came from the prefix cache

@@ -4,37 +4,21 @@ server."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import time
-from dataclasses import dataclass, replace
-
-import jax
+from dataclasses import dataclass
 
 from jserve.attention import ATTENTION_BACKENDS
-from jserve.engine.config import SCHEDULE_POLICIES, resolve_engine_config
-from jserve.engine.engine import LLMEngine
+from jserve.engine.config import SCHEDULE_POLICIES
 from jserve.loader import DTYPES as FLOAT_DTYPES
-from jserve.loader import LoadedModel, load_model
 from jserve.models.quantization import QUANTIZATIONS
-from jserve.parallel import make_mesh
-from jserve.parallel.distributed import agree_on_min
-from jserve.paths import cache_dir
 from jserve.setting import add_flags, from_namespace, setting
-from jserve.spec_decode import SpeculativeConfig, check_draft_model
+from jserve.spec_decode import SpeculativeConfig
 
-log = logging.getLogger("jserve")
-
+TASKS = ["auto", "generate", "embed"]
 DTYPES = ["auto", *FLOAT_DTYPES]  # auto: float32 on CPU, bfloat16 elsewhere (resolve_dtype)
 KV_CACHE_DTYPES = ["auto", *FLOAT_DTYPES]  # auto: the model's dtype
 # Sets debug_checks' default for a whole process and the servers it starts (a test suite).
 DEBUG_CHECKS_ENV = "JSERVE_DEBUG_CHECKS"
-
-
-def enable_compilation_cache() -> None:
-    """Persist compiled steps across runs (unless the user chose a cache dir already)."""
-    if not jax.config.jax_compilation_cache_dir and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
 
 
 @dataclass(frozen=True)
@@ -110,6 +94,20 @@ class EngineArgs:
         '"disable_by_batch_size" (default 4): speculate only while at most this many requests run',
     )
 
+    task: str = setting(
+        "auto",
+        "generate (text), or embed (one vector per input: LLM.embed, /v1/embeddings); auto: embed for a checkpoint "
+        "whose sentence-transformers files (modules.json) say how to pool, else generate",
+        choices=TASKS,
+    )
+    pooler_config: dict | str | None = setting(
+        None,
+        'an embedding model\'s pooling, as vLLM\'s JSON: {"pooling_type": "MEAN", "normalize": false}; '
+        "pooling_type LAST, MEAN, CLS, MAX or a sentence-transformers mode name. Default: the checkpoint's "
+        "sentence-transformers files, else LAST, normalized",
+        aliases=("--override-pooler-config",),
+    )
+
     debug_checks: bool = setting(
         os.environ.get(DEBUG_CHECKS_ENV) == "1",
         "fail on any compilation after warm-up, and whenever the engine goes idle check that every sequence "
@@ -120,44 +118,6 @@ class EngineArgs:
 
     def __post_init__(self):
         SpeculativeConfig.parse(self.speculative_config)  # a bad config fails now, before the model loads
-
-    def create_engine(self, progress_bars: bool = False) -> LLMEngine:
-        """`progress_bars`: start-up work as tqdm bars (notebooks, the CLI) rather than log lines (a server)."""
-        start = time.perf_counter()
-        enable_compilation_cache()
-        mesh = make_mesh(self.tensor_parallel_size)
-        loaded = load_model(
-            self.model,
-            dtype=self.dtype,
-            mesh=mesh,
-            quantization=self.quantization,
-            cpu_int8_kernel=self.cpu_int8_kernel,
-            revision=self.revision,
-            download_dir=self.download_dir,
-            gguf_file=self.gguf_file,
-            max_model_len=self.max_model_len,
-            expert_parallel=self.enable_expert_parallel,
-            progress_bars=progress_bars,
-        )
-        draft = self._load_draft_model(loaded, mesh, progress_bars)
-        config = resolve_engine_config(self, loaded.config, loaded.dtype, draft=draft.config if draft else None)
-        # Hosts may differ in free memory; they must not differ in KV shapes.
-        config = replace(config, num_pages=agree_on_min(config.num_pages))
-        engine = LLMEngine(loaded, config, draft, progress_bars)
-        log.info("Engine ready in %.1fs", time.perf_counter() - start)
-        return engine
-
-    def _load_draft_model(self, target: LoadedModel, mesh, progress_bars: bool) -> LoadedModel | None:
-        """The draft model of draft-model speculation, loaded like the target (dtype, devices; quantization as
-        the config says, else the target's), and checked to share its tokenizer."""
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        if spec is None or not spec.uses_draft_model:
-            return None
-        draft = load_model(spec.model, dtype=self.dtype, mesh=mesh, quantization=spec.quantization or self.quantization,
-                           cpu_int8_kernel=self.cpu_int8_kernel, download_dir=self.download_dir,
-                           max_model_len=self.max_model_len, progress_bars=progress_bars)  # fmt: skip
-        check_draft_model(target, draft)
-        return draft
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -69,7 +70,7 @@ def resolve_dtype(dtype: str) -> jnp.dtype:
 
 
 def load_model(
-    model: str | os.PathLike | None = None,
+    model: str | os.PathLike | ModelSource | None = None,
     dtype: str = "auto",
     mesh: Mesh | None = None,
     quantization: str = AUTO,
@@ -80,16 +81,19 @@ def load_model(
     max_model_len: int | None = None,
     expert_parallel: bool = False,
     progress_bars: bool = True,
+    head: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. `model`: None (the default model), a .gguf, an HF folder, a hub id
     (`org/name`, or `org/name:FILE.gguf`: from the HF cache, downloaded if absent), a `jserve convert` folder,
-    or `random:<shape>` (random weights, see MODEL_SHAPES). `revision`, `download_dir`, `gguf_file`: see
-    resolve_model. `quantization`: "auto" (resolve_quantization), "gguf" (a GGUF file's blocks kept), "int8" or
-    "w8a8": weights quantized once loaded (jserve.models.quantization),
-    laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel` is False. `max_model_len`: the
-    context it will serve, which picks long-context rope frequencies where a model has two sets (longrope).
-    `expert_parallel`: a mixture of experts on a mesh splits whole experts over its devices (not each expert).
-    `progress_bars`: a tqdm bar while tensors load (off for a server, whose log gets the finished line only)."""
+    `random:<shape>` (random weights, see MODEL_SHAPES), or the ModelSource resolve_model made of one.
+    `revision`, `download_dir`, `gguf_file`: see resolve_model. `quantization`: "auto" (resolve_quantization),
+    "gguf" (a GGUF file's blocks kept), "int8" or "w8a8": weights quantized once loaded
+    (jserve.models.quantization), laid out for jserve's C++ kernel where it runs them unless `cpu_int8_kernel`
+    is False. `max_model_len`: the context it will serve, which picks long-context rope frequencies where a
+    model has two sets (longrope). `expert_parallel`: a mixture of experts on a mesh splits whole experts over
+    its devices (not each expert). `progress_bars`: a tqdm bar while tensors load (off for a server, whose log
+    gets the finished line only). `head`: False loads the model without its LM head (an embedder: hidden
+    states only; a checkpoint's head tensor, if it has one, is skipped)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     target_dtype = resolve_dtype(dtype)
@@ -99,14 +103,17 @@ def load_model(
             "cores: 5 tok/s for one sequence against float32's 32). For speed leave --dtype out (auto: float32, "
             "or a GGUF file's own blocks); for less memory, --quantization int8 or w8a8"
         )
-    source = resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
+    if isinstance(model, ModelSource):
+        source = model
+    else:
+        source = resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
     quantization = resolve_quantization(quantization, source, mesh, dtype)
     if quantization is Quantization.GGUF:
         check_gguf_blocks(source, mesh, target_dtype)
     start = time.perf_counter()
     if source.kind == "gguf":
         reader = open_gguf(source.path)
-        config = gguf_config(reader, source.path).for_context(max_model_len)
+        config = served_shape(gguf_config(reader, source.path).for_context(max_model_len), head)
         tokenizer = Tokenizer.from_gguf(reader)
         tensors = iter_gguf_tensors(reader, config, source.path, keep_blocks=quantization is Quantization.GGUF)
         tensors = split_fused_tensors(stack_expert_tensors(tensors, config, source.path.name), config)
@@ -114,7 +121,7 @@ def load_model(
         total = len(reader.tensors)
         graphdef, params = assemble(placement, tensors, target_dtype, source.path.name, total, progress_bars)
     elif source.kind == "hf":
-        config = read_hf_config(source.path).for_context(max_model_len)
+        config = served_shape(read_hf_config(source.path).for_context(max_model_len), head)
         tokenizer = Tokenizer.from_folder(source.path)
         files = safetensors_files(source.path)
         name = source.path.name
@@ -133,13 +140,13 @@ def load_model(
             progress_bars,
         )
     elif source.kind == "random":
-        config = shape_config(source.path.name)
+        config = served_shape(shape_config(source.path.name), head)
         tokenizer = default_tokenizer()
         placement = WeightPlacement.create(config, mesh, expert_parallel)
         graphdef, params = random_params(placement, target_dtype)
     else:
         config, saved_dtype = read_orbax_config(source.path)
-        config = config.for_context(max_model_len)
+        config = served_shape(config.for_context(max_model_len), head)
         tokenizer = Tokenizer.from_folder(source.path)
         tensors = read_orbax(source.path, config, saved_dtype)
         placement = WeightPlacement.create(config, mesh, expert_parallel)
@@ -157,6 +164,10 @@ def load_model(
         sum(x.nbytes for x in jax.tree.leaves(params)) / 1e6,
     )  # fmt: skip
     return LoadedModel(placement.config, graphdef, params, tokenizer, target_dtype, source, placement, quantization)
+
+
+def served_shape(config: ModelConfig, head: bool) -> ModelConfig:
+    return config if head else dataclasses.replace(config, lm_head=False)
 
 
 def resolve_quantization(quantization: str, source: ModelSource, mesh: Mesh | None, dtype: str) -> Quantization:

@@ -122,8 +122,8 @@ def assemble(
     bar = tqdm(tensors, total=total, desc=f"Loading {source}", unit="tensor", leave=False, disable=not progress_bar)
     for name, array in bar:
         key = name.removeprefix("model.")
-        if key == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: the embedding table is the head
+        if key == "lm_head.weight" and (config.tie_word_embeddings or not config.lm_head):
+            continue  # tied: the embedding table is the head; or the model is served without one
         if key.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config
         if key not in expected:

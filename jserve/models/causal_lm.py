@@ -52,7 +52,8 @@ class CausalLM(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         tied, head = config.tie_word_embeddings, (config.hidden_size, config.vocab_size)
-        self.lm_head = None if tied else Linear(*head, bias=False, dtype=dtype, quantization=quantization)
+        untied_head = config.lm_head and not tied
+        self.lm_head = Linear(*head, bias=False, dtype=dtype, quantization=quantization) if untied_head else None
 
     def __call__(
         self, batch: ModelInput, kv_cache: KVCache, attention: AttentionBackend = REFERENCE
@@ -83,6 +84,8 @@ class CausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 next-token logits [N, vocab] of hidden states [N, hidden]: the final norm and the head."""
+        if not self.config.lm_head:
+            raise ValueError("this model was loaded without its head (as an embedder): it has no logits")
         if self.lm_head is None:
             logits = self.embed_tokens.attend(hidden, self.norm)
         else:

@@ -28,6 +28,7 @@ from jserve.sampling_params import SamplingParams
 from jserve.server.commands import AbortRequests, AddRequests, CallEngine, Command, PromptInput, Stop
 from jserve.server.metrics import ServerMetrics
 from jserve.server.submission import EngineError, Submission
+from jserve.startup import create_engine
 from jserve.structured import GrammarCompiler
 from jserve.tokenizer import Tokenizer
 
@@ -134,7 +135,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.engine = self.args.create_engine()
+            self.engine = create_engine(self.args)
             if self.chat_template is not None:
                 self.engine.tokenizer.chat_template = self.chat_template
             self.info = EngineInfo(
