@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.request import Request
 from jserve.engine.scheduler import Scheduler
@@ -110,9 +111,14 @@ class EmbeddingEngine:
         sequences = scheduled.sequences
         if not sequences:
             return []
-        prepared, ran_at = self.runner.prepare_s, time.perf_counter()
+        prepared, compiled, ran_at = self.runner.prepare_s, compile_count(), time.perf_counter()
         stats = self.runner.run(sequences)  # (waits for the device)
         device_s = time.perf_counter() - ran_at - (self.runner.prepare_s - prepared)
+        if compile_count() != compiled:
+            message = f"the pooling step traced or compiled {compile_count() - compiled} time(s) after warm-up"
+            if self.config.debug_checks:
+                raise RuntimeError(message)
+            log.warning(message)
         finished: list[tuple[Request, np.ndarray]] = []
         for seq, chunk in zip(sequences, stats, strict=True):
             request = seq.request
