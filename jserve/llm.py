@@ -16,7 +16,7 @@ from jserve.heap import frozen_heap
 from jserve.loader.weight_export import model_weights
 from jserve.loader.weight_update import Weights, updated_params
 from jserve.outputs import EmbeddingRequestOutput, RequestOutput
-from jserve.pooling import EmbeddingEngine
+from jserve.pooling import EmbeddingEngine, PoolingParams
 from jserve.pooling.vectors import cosine
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
@@ -194,6 +194,7 @@ class LLM:
         before them. `dimensions`: cut each vector to its first so many values, normalized again (matryoshka
         models only)."""
         engine = self._embedder()
+        params = PoolingParams(dimensions)
         items = [inputs] if isinstance(inputs, str | dict) or (inputs and isinstance(inputs[0], int)) else list(inputs)
         prefix = self._embedding_prompt(prompt_name)
         prompts = [self._embedding_ids(item, prefix) for item in items]
@@ -201,7 +202,7 @@ class LLM:
         ids: list[str] = []
         try:
             for (text, prompt_ids), prio in zip(prompts, priorities, strict=True):
-                ids.append(engine.add_request(prompt_ids, priority=prio, prompt_text=text, dimensions=dimensions))
+                ids.append(engine.add_request(prompt_ids, params, priority=prio, prompt_text=text))
             return self._drain(ids, use_tqdm, "Embedding")
         except BaseException:  # a bad input, or Ctrl-C: withdraw this batch, leave the engine usable
             for request_id in ids:

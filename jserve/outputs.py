@@ -93,3 +93,4 @@ class EmbeddingRequestOutput:
     prompt: str | None = None
     finished: bool = True
     num_cached_tokens: int = 0  # leading tokens whose K/V came from the prefix cache
+    metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -5,6 +5,14 @@ reuses the scheduler and KV cache but neither decodes nor samples."""
 
 from jserve.pooling.config import DECODER_DEFAULT, PoolingConfig, parse_pooler_config
 from jserve.pooling.engine import EmbeddingEngine
+from jserve.pooling.params import PoolingParams
 from jserve.pooling.sentence_transformers import read_pooling_config
 
-__all__ = ["DECODER_DEFAULT", "EmbeddingEngine", "PoolingConfig", "parse_pooler_config", "read_pooling_config"]
+__all__ = [
+    "DECODER_DEFAULT",
+    "EmbeddingEngine",
+    "PoolingConfig",
+    "PoolingParams",
+    "parse_pooler_config",
+    "read_pooling_config",
+]

@@ -15,12 +15,13 @@ from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.request import Request
 from jserve.engine.scheduler import Scheduler
-from jserve.engine.stats import EngineStats
+from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
 from jserve.engine.validation import RequestValidator
 from jserve.errors import RequestError
 from jserve.loader import LoadedModel
-from jserve.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from jserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestMetrics
 from jserve.pooling.config import PoolingConfig
+from jserve.pooling.params import PoolingParams
 from jserve.pooling.runner import PoolingRunner
 from jserve.pooling.vectors import Pooler, normalized
 from jserve.sampling_params import SamplingParams
@@ -53,13 +54,17 @@ class EmbeddingEngine:
     def add_request(
         self,
         prompt_token_ids: list[int],
+        params: PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
         prompt_text: str | None = None,
-        dimensions: int | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validate and queue one input (token ids); raises a RequestError naming the field before anything is
-        queued. `dimensions`: cut the vector to its first so many values (matryoshka models only)."""
+        """Validate and queue one input (token ids), as LLMEngine.add_request queues a prompt; raises a
+        RequestError naming the field before anything is queued. Inputs share cached prefixes only with inputs
+        of the same `cache_salt`."""
+        params = params or PoolingParams()
+        dimensions = params.dimensions
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -71,7 +76,8 @@ class EmbeddingEngine:
         self.validator.check(PROMPT_ONLY, priority)
         self.check_dimensions(dimensions)
         request = Request(request_id, ids, PROMPT_ONLY, seed=0, arrival_index=next(self._arrivals),
-                          max_model_len=self.config.max_model_len, prompt=prompt_text, priority=priority)  # fmt: skip
+                          max_model_len=self.config.max_model_len, prompt=prompt_text, priority=priority,
+                          cache_salt=cache_salt)  # fmt: skip
         self.requests[request_id] = request
         self._dimensions[request_id] = dimensions
         self.scheduler.add(request)
@@ -86,8 +92,8 @@ class EmbeddingEngine:
         if allowed is None:
             raise RequestError("dimensions: this model was not trained to be truncated (no matryoshka_dimensions "
                                "or is_matryoshka in its config.json)", "dimensions")  # fmt: skip
-        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= self.dimension:
-            raise RequestError(f"dimensions must be an integer in [1, {self.dimension}], got {dimensions!r:.40}",
+        if dimensions > self.dimension:
+            raise RequestError(f"dimensions must be at most the model's {self.dimension}, got {dimensions}",
                                "dimensions")  # fmt: skip
         if allowed and dimensions not in allowed:
             raise RequestError(f"dimensions must be one of {list(allowed)}, got {dimensions}", "dimensions")
@@ -100,6 +106,9 @@ class EmbeddingEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """(An embedding model runs on one host: there are no followers to release.)"""
 
     def step(self) -> list[EmbeddingRequestOutput]:
         """Run one step of prompt chunks; returns the inputs it finished."""
@@ -152,12 +161,31 @@ class EmbeddingEngine:
             if dimensions is not None:
                 vector = vector[:dimensions]
                 vector = normalized(vector) if self.pooling.normalize else vector
-            outputs.append(EmbeddingRequestOutput(request.request_id, request.prompt_token_ids,
-                                                  EmbeddingOutput(vector.tolist()), request.prompt,
-                                                  num_cached_tokens=request.num_cached_tokens))  # fmt: skip
+            metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, None, request.finish_time,
+                                     request.num_preemptions)  # fmt: skip
+            output = EmbeddingRequestOutput(request.request_id, request.prompt_token_ids,
+                                            EmbeddingOutput(vector.tolist()), request.prompt,
+                                            num_cached_tokens=request.num_cached_tokens, metrics=metrics)  # fmt: skip
+            outputs.append(output)
             del self.requests[request.request_id]
             self._forget(request.request_id)
         return outputs
+
+    def snapshot(self) -> EngineSnapshot:
+        """Where the engine stands, as LLMEngine.snapshot (nothing generated, nothing speculated)."""
+        scheduler, stats = self.scheduler, self.stats
+        running, pages = len(scheduler.running), scheduler.pool.num_pages
+        return EngineSnapshot(
+            running=running,
+            waiting=scheduler.num_unfinished - running,
+            kv_cache_usage=scheduler.num_used_pages / pages,
+            prefix_cache_usage=scheduler.num_reclaimable_pages / pages,
+            **{name: getattr(stats, name) for name in TOTALS},
+            spec_accepted_per_pos=(),
+        )
+
+    def sync_stats(self) -> EngineStats:
+        return self.stats  # (every step is waited for: its device time is counted already)
 
     def _forget(self, request_id: str) -> None:
         self._dimensions.pop(request_id, None)

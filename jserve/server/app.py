@@ -23,6 +23,7 @@ from jserve.engine.args import EngineArgs
 from jserve.errors import EngineAsleepError, RequestError, short_repr
 from jserve.server.async_engine import AsyncEngine, EngineState
 from jserve.server.commands import PromptInput
+from jserve.server.embedding_routes import EmbeddingRoutes
 from jserve.server.errors import APIError, bad_request
 from jserve.server.metrics import ServerMetrics
 from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_tokenize
@@ -60,7 +61,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         gen = parse_completion(await self._read_json(request))
-        self._check_model(gen.model)
+        self._check_generates(gen.model)
         prompts = await run_in_threadpool(self._completion_prompts, gen)
         echo = [p.text or "" for p in prompts] if gen.echo else None
         tokenizer = self.engine.info.tokenizer
@@ -72,7 +73,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         gen = parse_chat(await self._read_json(request))
-        self._check_model(gen.model)
+        self._check_generates(gen.model)
         tools = self._tool_calls(gen)
         prompts = [await run_in_threadpool(self._chat_request_prompt, gen)]
         builder = ChatResponses(self.settings.served_model_name, gen.params.n, gen.params.logprobs or 0, tools,
@@ -84,8 +85,11 @@ class OpenAIServer:
         name = self.settings.served_model_name
         root = str(self.engine.args.model or name)
         card = {"id": name, "object": "model", "created": self.created, "owned_by": "jserve", "root": root}
-        if self.engine.info is not None:
-            card["max_model_len"] = self.engine.info.max_model_len
+        if (info := self.engine.info) is not None:
+            card["max_model_len"] = info.max_model_len
+            card["task"] = "embed" if info.embeds else "generate"  # what the model does here
+            if info.embeds:
+                card["embedding_dimension"] = info.dimension
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
@@ -239,6 +243,12 @@ class OpenAIServer:
             raise APIError(404, f"the model {short_repr(model)} does not exist; this server serves "
                            f"'{self.settings.served_model_name}'", "model", "model_not_found")  # fmt: skip
 
+    def _check_generates(self, model: str | None) -> None:
+        self._check_model(model)
+        if self.engine.info.embeds:
+            raise bad_request("this server's model is an embedding model (task embed): it makes vectors "
+                              "(POST /v1/embeddings), not text", "model")  # fmt: skip
+
     def _check_ready(self) -> None:
         state = self.engine.state
         if state is not EngineState.READY:
@@ -319,6 +329,7 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings) -> Starlette:
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
     ]
+    routes += EmbeddingRoutes(server).routes()
     if settings.enable_weight_routes:
         routes += WeightRoutes(server).routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,

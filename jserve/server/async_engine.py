@@ -1,4 +1,4 @@
-"""AsyncEngine: the LLMEngine in one background thread, fed by asyncio handlers.
+"""AsyncEngine: the engine (an LLMEngine, or an EmbeddingEngine) in one background thread, fed by asyncio handlers.
 
 Handlers never touch the engine: they put commands (server/commands.py) on a thread-safe queue, read
 what they need of the model from `info`, and get outputs back from the engine thread through
@@ -23,7 +23,8 @@ from typing import Any
 from jserve.engine.args import EngineArgs
 from jserve.engine.engine import LLMEngine
 from jserve.errors import JServeError
-from jserve.outputs import RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jserve.pooling import EmbeddingEngine, PoolingConfig, PoolingParams
 from jserve.sampling_params import SamplingParams
 from jserve.server.commands import AbortRequests, AddRequests, CallEngine, Command, PromptInput, Stop
 from jserve.server.metrics import ServerMetrics
@@ -52,7 +53,14 @@ class EngineInfo:
     tokenizer: Tokenizer  # the engine's own (with the server's chat template, if one was given)
     vocab_size: int
     max_model_len: int
-    grammars: GrammarCompiler  # thread-safe: handlers compile off the engine thread, the engine finds them cached
+    # thread-safe: handlers compile off the engine thread, the engine finds them cached (None: an embedder)
+    grammars: GrammarCompiler | None
+    pooling: PoolingConfig | None = None  # an embedding model's pooling (None: a model that generates)
+    dimension: int | None = None  # an embedding model's vectors' length
+
+    @property
+    def embeds(self) -> bool:
+        return self.pooling is not None
 
 
 class AsyncEngine:
@@ -65,7 +73,7 @@ class AsyncEngine:
         self.on_failure, self.on_ready = on_failure, on_ready
         self.state = EngineState.LOADING
         self.info: EngineInfo | None = None  # set once the model has loaded, before the state turns READY
-        self.engine: LLMEngine | None = None  # touched by the engine thread only (tests inspect it)
+        self.engine: LLMEngine | EmbeddingEngine | None = None  # touched by the engine thread only (tests inspect it)
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.submissions: set[Submission] = set()  # event-loop side: open submissions
         self._routes: dict[str, Submission] = {}  # engine-thread side: request id -> its submission
@@ -84,15 +92,21 @@ class AsyncEngine:
         return sum(len(s.unstarted) * s.n for s in self.submissions)
 
     async def submit(
-        self, prompts: list[PromptInput], params: SamplingParams, priority: int = 0, cache_salt: str | None = None
+        self,
+        prompts: list[PromptInput],
+        params: SamplingParams | PoolingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> Submission:
-        """Queue one engine request per prompt; raises RequestError (the engine's validation, naming the
-        field) if any is bad, in which case none is queued. A grammar is compiled here, on a worker thread, so
-        a slow one holds up only its own request."""
-        if params.structured_outputs is not None:
+        """Queue one engine request per prompt (PoolingParams: one input each to embed); raises RequestError
+        (the engine's validation, naming the field) if any is bad, in which case none is queued. A grammar is
+        compiled here, on a worker thread, so a slow one holds up only its own request."""
+        generates = isinstance(params, SamplingParams)
+        if generates and params.structured_outputs is not None:
             await asyncio.to_thread(self.info.grammars.compile, params.structured_outputs)
         prefix = f"{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        submission = Submission([f"{prefix}-{i}" for i in range(len(prompts))], params.n, self._abort)
+        n = params.n if generates else 1
+        submission = Submission([f"{prefix}-{i}" for i in range(len(prompts))], n, self._abort)
         accepted = submission.loop.create_future()
         self.submissions.add(submission)
         self.commands.put(AddRequests(submission, prompts, params, priority, cache_salt, accepted))
@@ -138,12 +152,7 @@ class AsyncEngine:
             self.engine = create_engine(self.args)
             if self.chat_template is not None:
                 self.engine.tokenizer.chat_template = self.chat_template
-            self.info = EngineInfo(
-                self.engine.tokenizer,
-                self.engine.model.config.vocab_size,
-                self.engine.config.max_model_len,
-                self.engine.grammars,
-            )
+            self.info = engine_info(self.engine)
         except (JServeError, ValueError) as err:  # a bad model or setting: say what, without a traceback
             log.error("The model failed to load: %s", err)
             self._fail_load()
@@ -221,7 +230,7 @@ class AsyncEngine:
             self._routes[request_id] = submission
         submission.loop.call_soon_threadsafe(_settle, command.accepted, None)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput] | list[EmbeddingRequestOutput]) -> None:
         now = time.monotonic()
         batch = []
         for out in outputs:
@@ -242,11 +251,18 @@ class AsyncEngine:
         self._routes.clear()
 
 
+def engine_info(engine: LLMEngine | EmbeddingEngine) -> EngineInfo:
+    vocab, max_model_len = engine.model.config.vocab_size, engine.config.max_model_len
+    if isinstance(engine, EmbeddingEngine):
+        return EngineInfo(engine.tokenizer, vocab, max_model_len, None, engine.pooling, engine.dimension)
+    return EngineInfo(engine.tokenizer, vocab, max_model_len, engine.grammars)
+
+
 def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if not future.done():  # the handler may have been cancelled meanwhile
         future.set_exception(error) if error is not None else future.set_result(result)
 
 
-def _deliver_batch(batch: list[tuple[Submission, RequestOutput]]) -> None:
+def _deliver_batch(batch: list[tuple[Submission, RequestOutput | EmbeddingRequestOutput]]) -> None:
     for submission, out in batch:
         submission._deliver(out)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jserve.pooling import PoolingParams
 from jserve.sampling_params import SamplingParams
 from jserve.server.submission import Submission
 
@@ -27,7 +28,7 @@ class AddRequests:
 
     submission: Submission  # its request ids, one per prompt, and where their outputs go
     prompts: list[PromptInput]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: inputs to embed
     priority: int
     cache_salt: str | None
     accepted: asyncio.Future[None]  # settled on the event loop: a result once queued, the refusal if not

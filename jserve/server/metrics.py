@@ -10,7 +10,7 @@ from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from jserve.engine.stats import EngineSnapshot
-from jserve.outputs import RequestOutput
+from jserve.outputs import EmbeddingRequestOutput, RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
@@ -126,8 +126,14 @@ class ServerMetrics:
                 self.spec_accepted_per_pos.labels(position=str(position), **self._labels).inc(now - then)
         self._accepted_per_pos = per_pos
 
-    def observe_output(self, out: RequestOutput, now: float) -> None:
+    def observe_output(self, out: RequestOutput | EmbeddingRequestOutput, now: float) -> None:
         metrics = out.metrics
+        if isinstance(out, EmbeddingRequestOutput):  # one output, when its vector is made
+            self.success["stop"].inc()
+            self.e2e.observe(metrics.finish_time - metrics.arrival_time)
+            if metrics.queue_time is not None:
+                self.queue_time.observe(metrics.queue_time)
+            return
         for completion in out.outputs:
             key = (out.request_id, completion.index)
             if new_tokens := len(completion.delta_token_ids):

@@ -35,7 +35,7 @@ class Submission:
             item = await self.queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if any(c.finish_reason == "error" for c in item.outputs):
+            if isinstance(item, RequestOutput) and any(c.finish_reason == "error" for c in item.outputs):
                 raise EngineError(
                     "the engine failed while running this request (the server log says why); "
                     "other requests were not affected"

@@ -67,9 +67,15 @@ class WeightRoutes:
 
     async def _read(self, request: Request) -> dict:
         body = await self.server._read_json(request)  # (authorized there)
-        self.server._check_ready()
+        self._check_serving()
         return body
 
     def _allow(self, request: Request) -> None:
         self.server._authorize(request)
+        self._check_serving()
+
+    def _check_serving(self) -> None:
         self.server._check_ready()
+        if self.engine.info.embeds:
+            raise bad_request("new weights and sleep serve training loops of models that generate; this server's "
+                              "model is an embedding model")  # fmt: skip
