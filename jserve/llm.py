@@ -17,6 +17,7 @@ from jserve.loader.weight_export import model_weights
 from jserve.loader.weight_update import Weights, updated_params
 from jserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jserve.pooling import EmbeddingEngine, PoolingParams
+from jserve.pooling.inputs import embedding_input, prompt_text
 from jserve.pooling.vectors import cosine
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
@@ -196,7 +197,7 @@ class LLM:
         engine = self._embedder()
         params = PoolingParams(dimensions)
         items = [inputs] if isinstance(inputs, str | dict) or (inputs and isinstance(inputs[0], int)) else list(inputs)
-        prefix = self._embedding_prompt(prompt_name)
+        prefix = prompt_text(engine.pooling, prompt_name)
         prompts = [self._embedding_ids(item, prefix) for item in items]
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         ids: list[str] = []
@@ -232,24 +233,13 @@ class LLM:
             raise ValueError("this is an embedding model (task embed): it makes vectors with LLM.embed, not text")
         return self.engine
 
-    def _embedding_prompt(self, prompt_name: str | None) -> str:
-        pooling = self.engine.pooling
-        name = prompt_name if prompt_name is not None else pooling.default_prompt_name
-        if name is None:
-            return ""
-        if name not in pooling.prompts:
-            raise ValueError(f"prompt_name {name!r} is not one of the model's prompts {sorted(pooling.prompts)}")
-        return pooling.prompts[name]
-
     def _embedding_ids(self, item: EmbedInput, prefix: str) -> PromptIds:
         if isinstance(item, dict):
             if set(item) != {"prompt_token_ids"}:
                 raise ValueError(f"an input given as a dict has one key, prompt_token_ids; got {sorted(item)}")
             return None, list(item["prompt_token_ids"])
         if isinstance(item, str):
-            text = prefix + item
-            text = text.lower() if self.engine.pooling.lower_case else text
-            return text, self.tokenizer.encode(text)
+            return embedding_input(self.tokenizer, self.engine.pooling, item, prefix)
         return None, list(item)
 
     def _encode(self, prompt: Prompt) -> PromptIds:

@@ -10,6 +10,7 @@ import pytest
 from jserve import LLM, SamplingParams
 from jserve.errors import RequestError
 
+from server_utils import TINY_CHAT_TEMPLATE
 from tiny_embedders import TEXTS, save_tiny_embedder
 from tiny_models import assert_engine_idle, save_tiny_checkpoint, tiny_engine_args
 
@@ -48,6 +49,9 @@ CASES = {
     "mistral-max-dense": dict(family="mistral", modes="max", dense="Identity", normalize=False),
     "llama-weightedmean": dict(family="llama", modes="weightedmean"),
     "qwen3-mean-sqrt-and-last": dict(family="qwen3", modes=("mean_sqrt_len_tokens", "lasttoken"), normalize=False),
+    # saved by sentence-transformers 6 with a chat template: texts go in as user messages through it
+    "qwen3-last-chat-template": dict(family="qwen3", modes="lasttoken", chat_template=TINY_CHAT_TEMPLATE,
+                                     prompts={"query": "Find the sentence"}, default_prompt_name="query"),  # fmt: skip
 }
 
 
@@ -59,7 +63,9 @@ def test_vectors_match_sentence_transformers(tmp_path, case):
     want = reference.encode(TEXTS, convert_to_numpy=True)
     outputs = llm.embed(TEXTS, use_tqdm=False)
     assert_close(vectors(outputs), want)
-    assert [o.prompt_token_ids for o in outputs] == [reference.tokenize([t])["input_ids"][0].tolist() for t in TEXTS]
+    prompt = reference.prompts.get(reference.default_prompt_name) if reference.default_prompt_name else None
+    want_ids = [reference.preprocess([t], prompt=prompt)["input_ids"][0].tolist() for t in TEXTS]
+    assert [o.prompt_token_ids for o in outputs] == want_ids
     assert len(outputs[-1].prompt_token_ids) > ENGINE["max_num_batched_tokens"]  # pooled across chunks
     assert_engine_idle(llm)
 

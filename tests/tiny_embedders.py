@@ -35,6 +35,7 @@ def save_tiny_embedder(
     prompts: dict[str, str] | None = None,
     default_prompt_name: str | None = None,
     matryoshka: list[int] | bool | None = None,
+    chat_template: str | None = None,
     seed: int = 0,
 ) -> SentenceTransformer:
     """Write an embedder into `folder` and return the SentenceTransformer that reads it back.
@@ -42,9 +43,13 @@ def save_tiny_embedder(
     `dense`: a Dense layer to 16 dimensions with this torch activation ("Tanh", "Identity"). The model's
     weights are saved as the base model (no `model.` prefix, no head), or with `causal_lm_layout` as the whole
     causal LM. `legacy_pooling_config`: 1_Pooling/config.json in the older pooling_mode_*_tokens form.
-    `matryoshka`: config.json's matryoshka_dimensions (a list) or is_matryoshka (True)."""
+    `matryoshka`: config.json's matryoshka_dimensions (a list) or is_matryoshka (True). `chat_template`: the
+    tokenizer's, with which sentence-transformers sends each text as a user message through it."""
     base = folder.parent / f"{folder.name}-causal-lm"
     save_tiny_checkpoint(base, family, seed)
+    if chat_template is not None:
+        path = base / "tokenizer_config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"chat_template": chat_template}))
     transformer = models.Transformer(str(base))
     transformer.tokenizer.pad_token = transformer.tokenizer.eos_token  # (sentence-transformers pads batches)
     width = transformer.get_embedding_dimension()

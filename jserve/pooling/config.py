@@ -54,6 +54,9 @@ class PoolingConfig:
     default_prompt_name: str | None = None  # the prompt used when a request names none
     max_seq_length: int | None = None  # sentence-transformers' limit on input tokens
     lower_case: bool = False  # the text is lower-cased before tokenizing
+    # sentence-transformers' message modality: a text goes in as a user message through the chat template,
+    # its content a string ("flat") or a list of typed parts ("structured"); None: as plain text
+    message_format: str | None = None
     source: str = "defaults"  # where it was read from, for the engine's log
 
     def __post_init__(self):

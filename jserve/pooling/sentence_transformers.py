@@ -68,6 +68,7 @@ def read_pooling_config(folder: Path) -> PoolingConfig | None:
         default_prompt_name=settings.get("default_prompt_name"),
         max_seq_length=bert.get("max_seq_length"),
         lower_case=bool(bert.get("do_lower_case", False)),
+        message_format=_message_format(bert, folder / "sentence_bert_config.json"),
         source="sentence-transformers files",
     )
 
@@ -104,6 +105,18 @@ def _dense_layer(folder: Path) -> DenseLayer:
         raise ModelLoadError(f"{folder}: linear.weight must be {expected}, the layer's (out, in) features")
     return DenseLayer(weight, tensors.get("linear.bias") if config.get("bias", True) else None, activation,
                       bool(config.get("use_residual", False)), tensors.get("residual.weight"))  # fmt: skip
+
+
+def _message_format(bert: dict, path: Path) -> str | None:
+    """sentence-transformers >= 6 saves which inputs its Transformer takes; with a "message" modality (a
+    tokenizer with a chat template) it sends every text through the chat template, as a user message."""
+    message = (bert.get("modality_config") or {}).get("message")
+    if message is None:
+        return None
+    form = message.get("format", "auto")
+    if form not in ("flat", "structured"):
+        raise ModelLoadError(f"{path}: message format {form!r} is not supported (flat or structured)")
+    return form
 
 
 def _matryoshka(config: dict) -> tuple[int, ...] | None:

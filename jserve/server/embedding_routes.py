@@ -17,6 +17,7 @@ from starlette.routing import Route
 from jserve.errors import RequestError
 from jserve.outputs import EmbeddingRequestOutput
 from jserve.pooling import PoolingParams
+from jserve.pooling.inputs import embedding_input, prompt_text
 from jserve.pooling.vectors import cosine
 from jserve.server.commands import PromptInput
 from jserve.server.errors import APIError, bad_request
@@ -70,13 +71,15 @@ class EmbeddingRoutes:
         return body
 
     def _prompts(self, inputs: list[str | list[int]]) -> list[PromptInput]:
-        """Texts tokenized with the checkpoint's special tokens (as sentence-transformers does)."""
+        """Texts as sentence-transformers gives them to the model (its default prompt, if the model names one);
+        token ids as they are."""
         info = self.engine.info
+        prompt = prompt_text(info.pooling, None)
         prompts = []
         for item in inputs:
             if isinstance(item, str):
-                text = item.lower() if info.pooling.lower_case else item
-                prompts.append(PromptInput(info.tokenizer.encode(text), item))
+                text, ids = embedding_input(info.tokenizer, info.pooling, item, prompt)
+                prompts.append(PromptInput(ids, text))
             else:
                 prompts.append(PromptInput(item, None))
         return prompts
