@@ -7,7 +7,8 @@ chat template, so sentence-transformers 6 saves it with a message modality: both
 the template as a user message, ~26 tokens more.) The inputs are --inputs texts of 32 to 512 tokens
 (uniform), made of common words. Each side embeds them all, --repeats
 times, alternating; the medians are printed with their ratio. sentence-transformers runs torch on the CPU with
-its defaults (batches of 32 sorted by length); jserve its engine defaults unless --max-num-batched-tokens says.
+its defaults (batches of 32 sorted by length); jserve its engine defaults unless --max-num-batched-tokens says,
+without the prefix cache (which would serve a repeat's inputs from the one before).
 
     python benchmarks/embeddings.py --inputs 256 --repeats 3
 """
@@ -89,7 +90,9 @@ def main() -> None:
     if not (folder / "modules.json").is_file():
         folder.mkdir(parents=True, exist_ok=True)
         save_embedder(folder)
-    llm = LLM(str(folder), max_model_len=1024, max_num_batched_tokens=args.max_num_batched_tokens)
+    # (no prefix cache: a repeat must not find the last one's inputs cached)
+    llm = LLM(str(folder), max_model_len=1024, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=False)  # fmt: skip
     texts = make_texts(llm.tokenizer, args.inputs)
     reference = SentenceTransformer(str(folder), device="cpu")
     print(f"{len(texts)} inputs; torch threads {torch.get_num_threads()}; jserve token budget "

@@ -2,7 +2,8 @@
 
 from jserve.config_file import load_config
 from jserve.llm import LLM, generate
-from jserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from jserve.pooling import PoolingParams
 from jserve.sampling_params import SamplingParams
 from jserve.structured import StructuredOutputsParams
 
@@ -10,7 +11,10 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "Logprob",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

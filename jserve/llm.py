@@ -196,7 +196,8 @@ class LLM:
         models only)."""
         engine = self._embedder()
         params = PoolingParams(dimensions)
-        items = [inputs] if isinstance(inputs, str | dict) or (inputs and isinstance(inputs[0], int)) else list(inputs)
+        one = isinstance(inputs, str | dict) or (len(inputs) > 0 and isinstance(inputs[0], int | np.integer))
+        items = [inputs] if one else list(inputs)
         prefix = prompt_text(engine.pooling, prompt_name)
         prompts = [self._embedding_ids(item, prefix) for item in items]
         priorities = list(priority) if priority is not None else [0] * len(prompts)

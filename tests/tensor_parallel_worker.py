@@ -7,6 +7,7 @@ one model at several tensor-parallel sizes; prints JSON with greedy tokens, prom
 SPEC: "none", "ngram" for n-gram speculative decoding, or "draft" for the model as its own draft model.
 --expert-parallel: a mixture of experts splits its experts over the devices.
 --update-from FOLDER: then serve the weights of the checkpoint in FOLDER (LLM.update_weights) and decode again.
+--embed: serve the model as an embedder (mean pooling, normalized) instead, and embed the prompts.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main() -> None:
     expert_parallel = "--expert-parallel" in sys.argv
     update_from = sys.argv[sys.argv.index("--update-from") + 1] if "--update-from" in sys.argv else None
     sizes = [int(s) for s in sys.argv[4:] if s.isdigit()]
+    if "--embed" in sys.argv:
+        json.dump({tp: embed(model, tp) for tp in sizes}, sys.stdout)
+        return
     results = {}
     for tp in sizes:
         llm = LLM(
@@ -85,6 +89,15 @@ def main() -> None:
                     np.array_equal(weights[name], files[name]) for name in files
                 )
     json.dump(results, sys.stdout)
+
+
+def embed(model: str, tp: int) -> dict:
+    """The prompts' vectors with mean pooling (which reads every token's state), in 32-token steps."""
+    llm = LLM(model, task="embed", pooler_config={"pooling_type": "MEAN"}, dtype="float32", tensor_parallel_size=tp,
+              max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32,
+              kv_cache_memory=(48 << 20) // tp)  # fmt: skip
+    vectors = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
+    return {"embeddings": vectors, "kv_bytes": bytes_per_device(llm.engine.runner.kv_cache)}
 
 
 if __name__ == "__main__":

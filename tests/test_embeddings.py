@@ -50,8 +50,13 @@ CASES = {
     "llama-weightedmean": dict(family="llama", modes="weightedmean"),
     "qwen3-mean-sqrt-and-last": dict(family="qwen3", modes=("mean_sqrt_len_tokens", "lasttoken"), normalize=False),
     # saved by sentence-transformers 6 with a chat template: texts go in as user messages through it
-    "qwen3-last-chat-template": dict(family="qwen3", modes="lasttoken", chat_template=TINY_CHAT_TEMPLATE,
-                                     prompts={"query": "Find the sentence"}, default_prompt_name="query"),  # fmt: skip
+    "qwen3-last-chat-template": dict(
+        family="qwen3",
+        modes="lasttoken",
+        chat_template=TINY_CHAT_TEMPLATE,
+        prompts={"query": "Find the sentence"},
+        default_prompt_name="query",
+    ),  # fmt: skip
 }
 
 

@@ -31,10 +31,11 @@ def run_worker(
     speculative: str = "none",
     expert_parallel: bool = False,
     update_from: str | None = None,
+    embed: bool = False,
 ) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     args = [model, quantization, speculative, *map(str, sizes)] + (["--expert-parallel"] if expert_parallel else [])
-    args += ["--update-from", update_from] if update_from else []
+    args += (["--update-from", update_from] if update_from else []) + (["--embed"] if embed else [])
     done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     return {int(tp): result for tp, result in json.loads(done.stdout).items()}
@@ -184,3 +185,12 @@ def test_new_weights_at_tp_2_and_4(tmp_path):
         assert result["updated_tokens"] == expected, f"tp={tp}"
         assert result["updated_tokens"] != result["tokens"], f"tp={tp}: the checkpoints should decode apart"
         assert result["weights_as_files"], f"tp={tp}"
+
+
+def test_embeddings_at_tp_2_and_4(tmp_path):
+    """An embedding engine split over 2 and 4 devices (KV heads replicated at 4) pools what one device does."""
+    save_tiny_checkpoint(tmp_path, "llama")
+    results = run_worker(str(tmp_path), [1, 2, 4], embed=True)
+    for tp, result in results.items():
+        np.testing.assert_allclose(result["embeddings"], results[1]["embeddings"], atol=2e-5, err_msg=f"tp={tp}")
+        assert sum(1 for b in result["kv_bytes"] if b) == tp, f"tp={tp}: the KV cache spans {tp} devices"

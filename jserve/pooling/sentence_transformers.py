@@ -42,6 +42,8 @@ def read_pooling_config(folder: Path) -> PoolingConfig | None:
     modes, dense, normalize = None, [], False
     for kind, path in kinds:
         where = folder / path
+        if kind in ("Dense", "Normalize") and modes is None:
+            raise ModelLoadError(f"{modules_file}: {kind} before Pooling is not supported")
         if kind == "Transformer":
             if path:
                 raise ModelLoadError(f"{modules_file}: the transformer is in {path!r}; load that folder's model")
@@ -54,8 +56,6 @@ def read_pooling_config(folder: Path) -> PoolingConfig | None:
         else:
             raise ModelLoadError(f"{modules_file}: sentence-transformers module {kind!r} is not supported "
                                  "(jserve runs Transformer, Pooling, Dense and Normalize)")  # fmt: skip
-        if kind in ("Dense", "Normalize") and modes is None:
-            raise ModelLoadError(f"{modules_file}: {kind} before Pooling is not supported")
     settings = _json(folder / "config_sentence_transformers.json", {})
     bert = _json(folder / "sentence_bert_config.json", {})
     prompts = settings.get("prompts") or {}
