@@ -22,7 +22,7 @@ from jserve.engine.runner import ModelRunner
 from jserve.engine.scheduler import ScheduledSequence, Scheduler, proposing_rows, verify_row_starts
 from jserve.engine.served_weights import ServedWeights
 from jserve.engine.speculation import Speculation, StepProposer
-from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
+from jserve.engine.stats import EngineSnapshot, EngineStats
 from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
 from jserve.loader import LoadedModel
@@ -422,17 +422,9 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """Where the engine stands: its queues, its KV usage and its running totals."""
-        scheduler, stats, spec = self.scheduler, self.stats, self.config.speculative
-        running, pages = len(scheduler.running), scheduler.pool.num_pages
-        return EngineSnapshot(
-            running=running,
-            waiting=scheduler.num_unfinished - running,
-            kv_cache_usage=scheduler.num_used_pages / pages,
-            prefix_cache_usage=scheduler.num_reclaimable_pages / pages,
-            **{name: getattr(stats, name) for name in TOTALS},
-            spec_accepted_per_pos=tuple(stats.spec_accepted_per_pos[: spec.num_speculative_tokens].tolist())
-            if spec is not None else (),
-        )  # fmt: skip
+        spec = self.config.speculative
+        per_pos = tuple(self.stats.spec_accepted_per_pos[: spec.num_speculative_tokens].tolist()) if spec else ()
+        return EngineSnapshot.of(self.stats, self.scheduler, per_pos)
 
     def sync_stats(self) -> EngineStats:
         """The stats, once the device timeline has accounted for every launched step."""

@@ -40,6 +40,19 @@ class EngineSnapshot:
     spec_accepted_tokens: int
     spec_accepted_per_pos: tuple[int, ...]  # one per draft position the engine proposes (empty without)
 
+    @classmethod
+    def of(cls, stats: EngineStats, scheduler, spec_accepted_per_pos: tuple[int, ...] = ()) -> EngineSnapshot:
+        """The gauges read off the engine's Scheduler, the totals off its stats."""
+        running, pages = len(scheduler.running), scheduler.pool.num_pages
+        return cls(
+            running=running,
+            waiting=scheduler.num_unfinished - running,
+            kv_cache_usage=scheduler.num_used_pages / pages,
+            prefix_cache_usage=scheduler.num_reclaimable_pages / pages,
+            **{name: getattr(stats, name) for name in TOTALS},
+            spec_accepted_per_pos=spec_accepted_per_pos,
+        )
+
 
 # EngineSnapshot's running totals (the fields it copies from EngineStats).
 TOTALS = (

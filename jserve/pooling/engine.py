@@ -15,7 +15,7 @@ from jserve.engine.compile_guard import compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.request import Request
 from jserve.engine.scheduler import Scheduler
-from jserve.engine.stats import TOTALS, EngineSnapshot, EngineStats
+from jserve.engine.stats import EngineSnapshot, EngineStats
 from jserve.engine.validation import RequestValidator
 from jserve.errors import RequestError
 from jserve.loader import LoadedModel
@@ -148,6 +148,8 @@ class EmbeddingEngine:
         self.stats.maybe_log(
             running, scheduler.num_unfinished - running, scheduler.num_used_pages / scheduler.pool.num_pages
         )
+        if self.config.debug_checks and not self.requests:
+            scheduler.check_idle()
         return outputs
 
     def _finish(self, finished: list[tuple[Request, np.ndarray]]) -> list[EmbeddingRequestOutput]:
@@ -173,16 +175,7 @@ class EmbeddingEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """Where the engine stands, as LLMEngine.snapshot (nothing generated, nothing speculated)."""
-        scheduler, stats = self.scheduler, self.stats
-        running, pages = len(scheduler.running), scheduler.pool.num_pages
-        return EngineSnapshot(
-            running=running,
-            waiting=scheduler.num_unfinished - running,
-            kv_cache_usage=scheduler.num_used_pages / pages,
-            prefix_cache_usage=scheduler.num_reclaimable_pages / pages,
-            **{name: getattr(stats, name) for name in TOTALS},
-            spec_accepted_per_pos=(),
-        )
+        return EngineSnapshot.of(self.stats, self.scheduler)
 
     def sync_stats(self) -> EngineStats:
         return self.stats  # (every step is waited for: its device time is counted already)
