@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -68,3 +69,16 @@ def _parsing(hint: Any) -> dict[str, Any]:
     if kinds in ({int}, {float}):
         return {"type": kinds.pop()}
     return {}
+
+
+def json_object(value: dict | str, name: str) -> dict:
+    """A setting given as a dict or as its JSON text (a flag's value), as a dict; a ValueError naming the
+    setting says what is wrong."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value

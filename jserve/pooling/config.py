@@ -3,10 +3,11 @@ in order), then Dense layers, then L2 normalization, as sentence-transformers' m
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from jserve.setting import json_object
 
 # sentence-transformers' names, in the order its older configs' pooling_mode_* flags concatenate them
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken")
@@ -91,13 +92,7 @@ def parse_pooler_config(value: dict | str | None) -> dict:
     """vLLM's --pooler-config (a dict or its JSON): {"pooling_type": "MEAN", "normalize": false}, checked."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"pooler_config is not valid JSON: {err}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"pooler_config must be a JSON object, not {value!r}")
+    value = json_object(value, "pooler_config")
     unknown = set(value) - {"pooling_type", "normalize"}
     if unknown:
         raise ValueError(f"pooler_config: unknown keys {sorted(unknown)}; jserve reads pooling_type and normalize")

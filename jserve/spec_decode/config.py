@@ -3,9 +3,10 @@ as `--speculative-config` takes it)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from jserve.setting import json_object
 
 NGRAM, DRAFT_MODEL = "ngram", "draft_model"
 METHODS = (NGRAM, DRAFT_MODEL)
@@ -39,13 +40,7 @@ class SpeculativeConfig:
         """The config from a dict or its JSON text (None: no speculation); a ValueError says what is wrong."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in fields(SpeculativeConfig)}
         unknown = sorted(set(value) - known)
         if unknown:
