@@ -9,6 +9,7 @@ import pytest
 
 from jserve import LLM, SamplingParams
 from jserve.errors import RequestError
+from jserve.pooling import parse_pooler_config
 
 from server_utils import TINY_CHAT_TEMPLATE
 from tiny_embedders import TEXTS, save_tiny_embedder
@@ -179,3 +180,26 @@ def test_a_causal_lm_embeds_with_task_embed(tmp_path, qwen3):
         generator.embed(TEXTS[0])
     with pytest.raises(ValueError, match="--task embed"):
         LLM.from_engine_args(tiny_engine_args(folder, pooler_config={"pooling_type": "LAST"}))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('["MEAN"]', "JSON object"),
+        ({"pooling_type": "MEDIAN"}, "MEDIAN"),
+        ({"normalize": "yes"}, "true or false"),
+        ({"dimensions": 8}, "unknown keys"),
+    ],
+)
+def test_bad_pooler_configs_say_what_is_wrong(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_pooler_config(value)
+
+
+def test_pooler_config_names_map_to_sentence_transformers_modes():
+    assert parse_pooler_config('{"pooling_type": "LAST", "normalize": false}') == {
+        "pooling_type": "lasttoken",
+        "normalize": False,
+    }
+    assert parse_pooler_config({"pooling_type": "weightedmean"}) == {"pooling_type": "weightedmean"}
