@@ -192,8 +192,8 @@ class LLM:
         `inputs`: a text, token ids, vLLM's {"prompt_token_ids": ids}, or a list of them. Texts are tokenized
         with the checkpoint's special tokens, as sentence-transformers does, after its prompt `prompt_name`
         (one of the model's named prompts, e.g. "query"; default: the model's default prompt, if any) is put
-        before them. `dimensions`: cut each vector to its first so many values, normalized again (matryoshka
-        models only)."""
+        before them. `dimensions`: cut each vector to its first so many values, normalized again if the model
+        normalizes (matryoshka models only)."""
         engine = self._embedder()
         params = PoolingParams(dimensions)
         one = isinstance(inputs, str | dict) or (len(inputs) > 0 and isinstance(inputs[0], int | np.integer))

@@ -70,3 +70,14 @@ def test_an_engine_logs_no_throughput_while_starting(tiny_llama_checkpoint, capl
     assert any(m.startswith("KV cache: 64 pages of 16 tokens = 1024 tokens of float32, ") for m in messages), messages
     assert any(m.startswith("Compiled ") and "token buckets 1, 16, 32, 64" in m for m in messages), messages
     llm.close()
+
+
+def test_an_engine_that_does_not_generate_logs_no_generation_rate(clock, caplog):
+    stats = EngineStats(generates=False)
+    stats.start()
+    with caplog.at_level(logging.INFO, logger="jserve"):
+        for _ in range(10):
+            clock.now += 1
+            stats.prompt_tokens += 100
+            stats.maybe_log(running=2, waiting=0, kv_used=0.1)
+    assert lines(caplog)[0].startswith("prefill 100.0 tok/s over 10s of work; running 2")

@@ -90,6 +90,7 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: np.ndarray = field(default_factory=lambda: np.zeros(MAX_SPECULATIVE_TOKENS, np.int64))
+    generates: bool = True  # False for an embedding engine: its log line has no generation rate
     _last_log: float = field(default_factory=time.monotonic, repr=False)  # the interval's start
     _last_step_end: float = field(default_factory=time.monotonic, repr=False)
     _last_counts: tuple[int, int] = (0, 0)
@@ -121,12 +122,14 @@ class EngineStats:
         speculation = ""
         if drafts:  # vLLM's mean acceptance length: tokens a verification yields, its bonus token included
             speculation = f"; speculation: {drafts} verifications, mean acceptance length {1 + accepted / drafts:.2f}"
+        rates = f"prefill {prompt / elapsed:.1f} tok/s"
+        if self.generates:
+            rates += f", generation {generated / elapsed:.1f} tok/s"
         log.info(
-            "prefill %.1f tok/s, generation %.1f tok/s over %.0fs of work; running %d, waiting %d; KV cache %.0f%% "
-            "used by requests; prefix cache hit rate %.1f%%; host %.1f ms/step, device idle %.1f%%; "
-            "%d preemptions so far%s",
-            prompt / elapsed, generated / elapsed, elapsed, running, waiting, 100 * kv_used, hit_rate,
-            1000 * self.host_s / max(self.steps, 1), 100 * self.device_idle_fraction, self.preemptions, speculation,
+            "%s over %.0fs of work; running %d, waiting %d; KV cache %.0f%% used by requests; prefix cache hit rate "
+            "%.1f%%; host %.1f ms/step, device idle %.1f%%; %d preemptions so far%s",
+            rates, elapsed, running, waiting, 100 * kv_used, hit_rate, 1000 * self.host_s / max(self.steps, 1),
+            100 * self.device_idle_fraction, self.preemptions, speculation,
         )  # fmt: skip
         self._last_log, self._last_counts = now, (self.prompt_tokens, self.generated_tokens)
         self._last_spec = (self.spec_drafts, self.spec_accepted_tokens)

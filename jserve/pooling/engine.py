@@ -37,7 +37,7 @@ class EmbeddingEngine:
         self.model, self.config, self.pooling = model, config, pooling
         self.tokenizer = model.tokenizer
         self.dimension = pooling.dimension(model.config.hidden_size)
-        self.stats = EngineStats()
+        self.stats = EngineStats(generates=False)
         self.scheduler = Scheduler(config, self.stats)
         self.pooler = Pooler(pooling)
         self.runner = PoolingRunner(model, config, self.pooler.kinds)
