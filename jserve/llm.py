@@ -18,7 +18,7 @@ from jserve.loader.weight_update import Weights, updated_params
 from jserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jserve.pooling import EmbeddingEngine, PoolingParams
 from jserve.pooling.inputs import embedding_input, prompt_text
-from jserve.pooling.vectors import cosine
+from jserve.pooling.vectors import pair_scores
 from jserve.sampling_params import SamplingParams
 from jserve.setting import build
 from jserve.startup import create_engine
@@ -218,10 +218,7 @@ class LLM:
         right = [text_2] if isinstance(text_2, str) else list(text_2)
         if len(left) != 1 and len(left) != len(right):
             raise ValueError(f"score pairs texts: got {len(left)} and {len(right)} (one against many, or as many)")
-        vectors = [np.asarray(o.outputs.embedding) for o in self.embed(left + right, **embed_options)]
-        firsts, seconds = vectors[: len(left)], vectors[len(left) :]
-        firsts = firsts * len(seconds) if len(firsts) == 1 else firsts
-        return [float(cosine(a, b)) for a, b in zip(firsts, seconds, strict=True)]
+        return pair_scores([o.outputs.embedding for o in self.embed(left + right, **embed_options)], len(left))
 
     def _embedder(self) -> EmbeddingEngine:
         if not self.embeds:

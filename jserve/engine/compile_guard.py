@@ -9,12 +9,14 @@ engine stepping on one thread is not blamed for another engine (or a user's code
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import jax
 
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
 _counts = threading.local()
+log = logging.getLogger("jserve")
 
 
 def _on_event(event: str, duration: float, **kwargs) -> None:
@@ -28,3 +30,14 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)  # once per proc
 def compile_count() -> int:
     """Traces plus XLA compilations on the calling thread so far."""
     return getattr(_counts, "value", 0)
+
+
+def check_no_compiles(before: int, what: str, strict: bool) -> None:
+    """After serving work begun at compile_count() == `before`: any trace or compilation since is an error
+    under `strict` (debug checks), else a warning."""
+    if (count := compile_count() - before) == 0:
+        return
+    message = f"{what} traced or compiled {count} time(s) after warm-up"
+    if strict:
+        raise RuntimeError(message)
+    log.warning(message)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jserve.engine.compile_guard import compile_count
+from jserve.engine.compile_guard import check_no_compiles, compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.device_timeline import DeviceTimeline
 from jserve.engine.output_processor import FetchedSamples, OutputProcessor
@@ -280,11 +280,7 @@ class LLMEngine:
             return None
         output, inputs = launched
         self.timeline.launched(time.perf_counter(), output.samples, self._busy)
-        if compile_count() != before:
-            message = f"the step traced or compiled {compile_count() - before} time(s) after warm-up"
-            if self.config.debug_checks:
-                raise RuntimeError(message)
-            log.warning(message)
+        check_no_compiles(before, "the step", self.config.debug_checks)
         verifies = proposes = constrained = False
         advance, mark_launched = self.scheduler.kv.advance, self.outputs.launched
         for row, seq in enumerate(sequences):

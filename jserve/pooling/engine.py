@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from jserve.engine.compile_guard import compile_count
+from jserve.engine.compile_guard import check_no_compiles, compile_count
 from jserve.engine.config import EngineConfig
 from jserve.engine.request import Request
 from jserve.engine.scheduler import Scheduler
@@ -123,11 +123,7 @@ class EmbeddingEngine:
         prepared, compiled, ran_at = self.runner.prepare_s, compile_count(), time.perf_counter()
         stats = self.runner.run(sequences)  # (waits for the device)
         device_s = time.perf_counter() - ran_at - (self.runner.prepare_s - prepared)
-        if compile_count() != compiled:
-            message = f"the pooling step traced or compiled {compile_count() - compiled} time(s) after warm-up"
-            if self.config.debug_checks:
-                raise RuntimeError(message)
-            log.warning(message)
+        check_no_compiles(compiled, "the pooling step", self.config.debug_checks)
         finished: list[tuple[Request, np.ndarray]] = []
         for seq, chunk in zip(sequences, stats, strict=True):
             request = seq.request

@@ -26,14 +26,13 @@ from jserve.attention import (
 )
 from jserve.engine.config import EngineConfig
 from jserve.engine.progress import progress
+from jserve.engine.runner import COMPILE_WORKERS
 from jserve.engine.scheduler import ScheduledSequence
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
 from jserve.pooling.statistics import chunk_statistics
 
 log = logging.getLogger("jserve")
-
-COMPILE_WORKERS = 4  # at most; never more than the CPU cores
 
 
 def pooling_step(

@@ -56,3 +56,11 @@ def normalized(x: np.ndarray) -> np.ndarray:
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-12))
+
+
+def pair_scores(vectors: list, num_left: int) -> list[float]:
+    """Scores as vLLM's score pairs texts: the first `num_left` vectors against the rest, one against each
+    (num_left 1) or pairwise."""
+    left, right = vectors[:num_left], vectors[num_left:]
+    left = left * len(right) if len(left) == 1 else left
+    return [cosine(np.asarray(a), np.asarray(b)) for a, b in zip(left, right, strict=True)]

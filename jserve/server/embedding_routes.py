@@ -18,7 +18,7 @@ from jserve.errors import RequestError
 from jserve.outputs import EmbeddingRequestOutput
 from jserve.pooling import PoolingParams
 from jserve.pooling.inputs import embedding_input, prompt_text
-from jserve.pooling.vectors import cosine
+from jserve.pooling.vectors import pair_scores
 from jserve.server.commands import PromptInput
 from jserve.server.errors import APIError, bad_request
 
@@ -120,11 +120,8 @@ class ScoreResponses:
         self.model, self.num_left = model, num_left
 
     def response(self, outputs: list[EmbeddingRequestOutput]) -> dict:
-        vectors = [np.asarray(out.outputs.embedding) for out in outputs]
-        left, right = vectors[: self.num_left], vectors[self.num_left :]
-        left = left * len(right) if len(left) == 1 else left
-        data = [{"index": i, "object": "score", "score": cosine(a, b)}
-                for i, (a, b) in enumerate(zip(left, right, strict=True))]  # fmt: skip
+        scores = pair_scores([out.outputs.embedding for out in outputs], self.num_left)
+        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
         return _listing("score", self.model, data, outputs)
 
 
