@@ -2,6 +2,7 @@
 
 from jserve.config_file import load_config
 from jserve.llm import LLM, generate
+from jserve.lora import LoRARequest
 from jserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from jserve.pooling import PoolingParams
 from jserve.sampling_params import SamplingParams
@@ -14,6 +15,7 @@ __all__ = [
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
     "Logprob",
+    "LoRARequest",
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",

@@ -15,6 +15,7 @@ from jserve.engine.args import EngineArgs
 from jserve.heap import frozen_heap
 from jserve.loader.weight_export import model_weights
 from jserve.loader.weight_update import Weights, updated_params
+from jserve.lora import LoRARequest
 from jserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jserve.pooling import EmbeddingEngine, PoolingParams
 from jserve.pooling.inputs import embedding_input, prompt_text
@@ -62,6 +63,23 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter and serve it by name (LoRARequest(name) finds it) until remove_lora."""
+        self._adapters().register(lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id or None)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving an adapter by name (requests already queued with it still run with it)."""
+        self._adapters().unregister(name)
+
+    def list_loras(self) -> list[str]:
+        return [adapter.name for adapter in self._adapters()]
+
+    def _adapters(self):
+        adapters = self._generator().adapters
+        if adapters is None:
+            raise ValueError("this engine serves no LoRA adapters: create it with enable_lora=True")
+        return adapters
 
     def update_weights(self, weights: Weights, *, names: str = "hf") -> None:
         """Serve new weights from now on, without reloading or compiling (e.g. after a training step).
@@ -117,10 +135,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt (a str, a list of str, or a list of token-id lists); outputs in input order."""
+        """Complete every prompt (a str, a list of str, or a list of token-id lists); outputs in input order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model; the engine
+        needs enable_lora=True)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        return self._run([self._encode(p) for p in prompts], sampling_params, use_tqdm, priority)
+        return self._run([self._encode(p) for p in prompts], sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -132,6 +153,7 @@ class LLM:
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool = True,
         tool_parser: str = "hermes",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Reply to one conversation (a list of messages) or to each of several, with the chat template.
 
@@ -149,7 +171,7 @@ class LLM:
             prompts.append(self.tokenizer.encode_chat(rendered, add_generation_prompt, tools=template_tools))
         params = [replace(p, structured_outputs=chat.constraint(p.structured_outputs))
                   for p in _per_prompt(sampling_params, len(prompts))]  # fmt: skip
-        outputs = self._run(prompts, params, use_tqdm, None)
+        outputs = self._run(prompts, params, use_tqdm, None, lora_request)
         if use is None:
             return outputs
         calls = ToolCalls(use, get_tool_parser(tool_parser))
@@ -159,13 +181,15 @@ class LLM:
                 out.outputs[i] = replace(c, text=parsed.content or "", tool_calls=parsed.tool_calls)
         return outputs
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, lora_request: LoRARequest | None = None
+    ) -> Iterator[str]:
         """Yield the completion's text as it is generated (one completion: n must be 1)."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"stream produces one completion; got n={params.n}")
         text, ids = self._encode(prompt)
-        request_id = self._generator().add_request(ids, params, prompt_text=text)
+        request_id = self._generator().add_request(ids, params, prompt_text=text, lora_request=lora_request)
         try:
             while True:
                 for out in self.engine.step():
@@ -246,14 +270,18 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         return None, list(prompt)
 
-    def _run(self, prompts: list[PromptIds], sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[PromptIds], sampling_params, use_tqdm, priority, lora_request=None
+    ) -> list[RequestOutput]:
         self._generator()
         params = _per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        adapters = _per_prompt_adapter(lora_request, len(prompts))
         ids: list[str] = []
         try:
-            for (text, prompt_ids), p, prio in zip(prompts, params, priorities, strict=True):
-                ids.append(self.engine.add_request(prompt_ids, p, priority=prio, prompt_text=text, stream=False))
+            for (text, prompt_ids), p, prio, adapter in zip(prompts, params, priorities, adapters, strict=True):
+                ids.append(self.engine.add_request(prompt_ids, p, priority=prio, prompt_text=text, stream=False,
+                                                   lora_request=adapter))  # fmt: skip
             return self._drain(ids, use_tqdm)
         except BaseException:  # a bad prompt, or Ctrl-C: withdraw this batch, leave the engine usable
             for request_id in ids:
@@ -294,6 +322,15 @@ def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
     return params
+
+
+def _per_prompt_adapter(lora_request, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    adapters = list(lora_request)
+    if len(adapters) != count:
+        raise ValueError(f"got {len(adapters)} lora_requests for {count} prompts")
+    return adapters
 
 
 _engines: dict[str, LLM] = {}

@@ -62,12 +62,14 @@ def build(cls: type[T], **values: Any) -> T:
 
 def _parsing(hint: Any) -> dict[str, Any]:
     """How argparse reads a field annotated `hint` (`int | None` as int): bools as --flag / --no-flag,
-    numbers by their type, anything else (text, paths) as the string given."""
+    numbers by their type, lists as one or more values, anything else (text, paths) as the string given."""
     kinds = set(typing.get_args(hint) or [hint]) - {type(None)}
     if kinds == {bool}:
         return {"action": argparse.BooleanOptionalAction}
     if kinds in ({int}, {float}):
         return {"type": kinds.pop()}
+    if any(typing.get_origin(kind) is list for kind in kinds):
+        return {"nargs": "+"}
     return {}
 
 

@@ -78,7 +78,10 @@ def _generation_engine(args: EngineArgs, source: ModelSource, progress_bars: boo
     config = resolve_engine_config(args, loaded.config, loaded.dtype, draft=draft.config if draft else None)
     # Hosts may differ in free memory; they must not differ in KV shapes.
     config = replace(config, num_pages=agree_on_min(config.num_pages))
-    return LLMEngine(loaded, config, draft, progress_bars)
+    engine = LLMEngine(loaded, config, draft, progress_bars, args.lora_config)
+    for name, path in args.named_lora_modules.items():
+        engine.adapters.register(name, path)
+    return engine
 
 
 def _load_draft_model(args: EngineArgs, target: LoadedModel, mesh, progress_bars: bool) -> LoadedModel | None:
@@ -102,6 +105,8 @@ def _embedding_engine(
     prefix's tokens are not computed again)."""
     if args.speculative_config is not None:
         raise ValueError("speculative decoding speeds up generation; an embedding model does not decode")
+    if args.enable_lora:
+        raise ValueError("LoRA adapters are served for generation; this engine embeds (--task embed)")
     if is_multi_process():
         raise ValueError("an embedding model is served from one host")
     max_model_len = args.max_model_len

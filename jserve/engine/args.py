@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from jserve.attention import ATTENTION_BACKENDS
 from jserve.engine.config import SCHEDULE_POLICIES
 from jserve.loader import DTYPES as FLOAT_DTYPES
+from jserve.lora import LoRAConfig, parse_lora_modules
 from jserve.models.quantization import QUANTIZATIONS
 from jserve.setting import add_flags, from_namespace, setting
 from jserve.spec_decode import SpeculativeConfig
@@ -108,6 +109,20 @@ class EngineArgs:
         aliases=("--override-pooler-config",),
     )
 
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT folders) of this model: --lora-modules, LoRARequest, the request's model"
+    )
+    lora_modules: list[str] | None = setting(
+        None,
+        "adapters to serve, each as name=path (a PEFT folder or hub id) or vLLM's JSON "
+        '{"name": ..., "path": ...}; a request names one as its model',
+    )
+    max_loras: int = setting(1, "adapters on the device at once; a batch mixes the base and up to this many")
+    max_lora_rank: int = setting(16, "the largest adapter rank served (every slot is this rank)")
+    max_cpu_loras: int | None = setting(
+        None, "adapters requests bring (LoRARequest paths) kept in host memory (default: max_loras)"
+    )
+
     debug_checks: bool = setting(
         os.environ.get(DEBUG_CHECKS_ENV) == "1",
         "fail on any compilation after warm-up, and whenever the engine goes idle check that every sequence "
@@ -118,6 +133,21 @@ class EngineArgs:
 
     def __post_init__(self):
         SpeculativeConfig.parse(self.speculative_config)  # a bad config fails now, before the model loads
+        _ = self.lora_config, self.named_lora_modules  # (likewise)
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter settings, None without --enable-lora (where --lora-modules is an error)."""
+        if not self.enable_lora:
+            if self.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.download_dir)
+
+    @property
+    def named_lora_modules(self) -> dict[str, str]:
+        """--lora-modules as {name: path}."""
+        return parse_lora_modules(self.lora_modules or [])
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser, positional_model: bool = False) -> None:

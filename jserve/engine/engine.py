@@ -25,7 +25,9 @@ from jserve.engine.speculation import Speculation, StepProposer
 from jserve.engine.stats import EngineSnapshot, EngineStats
 from jserve.engine.step import StepInput, StepOutput
 from jserve.engine.validation import RequestValidator
+from jserve.errors import RequestError
 from jserve.loader import LoadedModel
+from jserve.lora import AdapterError, AdapterRegistry, AdapterSlots, LoRAConfig, LoRARequest, ServedAdapter, SlotLayout
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.spec_decode import Drafter, Speculator
@@ -57,10 +59,16 @@ class LaunchedStep:
 
 class LLMEngine:
     def __init__(
-        self, model: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None, progress_bars: bool = False
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        draft: LoadedModel | None = None,
+        progress_bars: bool = False,
+        lora: LoRAConfig | None = None,
     ):
         """`draft`: the draft model, when config.speculative uses one. `progress_bars`: show start-up work as
-        tqdm bars (for a person watching) rather than log lines (for a server's logs)."""
+        tqdm bars (for a person watching) rather than log lines (for a server's logs). `lora`: serve LoRA
+        adapters (jserve/lora), `adapters` knows them by name."""
         self.model, self.config = model, config
         self.tokenizer = model.tokenizer
         eos = set(model.config.eos_token_ids)
@@ -70,8 +78,9 @@ class LLMEngine:
         self.stats = EngineStats()
         spec = config.speculative
         self.speculation: Speculation | None = Speculator(spec, self.stats) if spec else None
-        self.scheduler = Scheduler(config, self.stats, self.speculation)
-        self.runner = ModelRunner(model, config, self.eos_ids, self._step_proposer(draft))
+        self.adapters, self.adapter_slots = self._adapters(lora)
+        self.scheduler = Scheduler(config, self.stats, self.speculation, self.adapter_slots)
+        self.runner = ModelRunner(model, config, self.eos_ids, self._step_proposer(draft), self.adapter_slots)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_ids)
         self.validator = RequestValidator(config, model.config.vocab_size, self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_ids)
@@ -97,6 +106,15 @@ class LLMEngine:
         if self.speculation is not None:
             self._measure_step_costs(progress_bars)
         self.stats.start()
+
+    def _adapters(self, lora: LoRAConfig | None) -> tuple[AdapterRegistry | None, AdapterSlots | None]:
+        if lora is None:
+            return None, None
+        model = self.model
+        layout = SlotLayout.of(model.config, lora.max_loras, lora.max_lora_rank)
+        slots = AdapterSlots(layout, model.dtype, model.placement)
+        log.info("LoRA: %d adapter slots of rank %d", lora.max_loras, lora.max_lora_rank)
+        return AdapterRegistry(lora, model.placement.original, layout, model.placement), slots
 
     def _step_proposer(self, draft: LoadedModel | None) -> StepProposer | None:
         """A draft model, as a proposer the runner runs inside each step."""
@@ -128,6 +146,7 @@ class LLMEngine:
         prompt_text: str | None = None,
         cache_salt: str | None = None,
         stream: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (naming the field) before anything is queued.
 
@@ -135,7 +154,8 @@ class LLMEngine:
         the ids to check a request before queueing it, and tokenize off the engine thread); `prompt_text` is
         its text (e.g. a rendered chat template) for the output. Requests share cached prefixes only with
         requests of the same `cache_salt`. `stream`: step() returns the request's output after each step that
-        adds to it; otherwise only its finished output (which holds the whole completion either way)."""
+        adds to it; otherwise only its finished output (which holds the whole completion either way).
+        `lora_request`: run it with that LoRA adapter (loaded from its path the first time)."""
         self.weights.check_serving()
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -143,6 +163,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.validator.prompt_ids(prompt_token_ids)
         self.validator.check(params, priority)
+        adapter = self._adapter(lora_request)
+        if adapter is not None:
+            cache_salt = adapter.namespace(cache_salt)
         # Compiled now, or found in the cache where the server compiled it off this thread.
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs else None
         if grammar is not None:
@@ -164,6 +187,7 @@ class LLMEngine:
                 index=i,
                 parent_id=request_id,
                 cache_salt=cache_salt,
+                adapter=adapter,
                 grammar=grammar.matcher() if grammar else None,
                 stream=stream,
             )
@@ -174,6 +198,16 @@ class LLMEngine:
             self.outputs.register(child)
             self.scheduler.add(child)
         return request_id
+
+    def _adapter(self, lora_request: LoRARequest | None) -> ServedAdapter | None:
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise RequestError("this engine serves no LoRA adapters: start it with enable_lora=True", "lora_request")
+        try:
+            return self.adapters.resolve(lora_request)
+        except AdapterError as error:
+            raise RequestError(str(error), "lora_request") from None
 
     def abort_request(self, request_id: str) -> None:
         parent = self.parents.get(request_id)
@@ -268,6 +302,8 @@ class LLMEngine:
         phases["outputs"] += end - outputs_at
         if self.config.debug_checks and not self._busy:
             self.scheduler.check_idle()
+            if self.adapter_slots is not None:
+                self.adapter_slots.check_idle()
         return results
 
     def _launch(self, sequences: list[ScheduledSequence], changed: set[str]) -> LaunchedStep | None:

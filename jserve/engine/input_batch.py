@@ -51,6 +51,7 @@ class InputBatch:
         self.early_bias_ids = np.full((num_slots, BIAS_WIDTH), -1, np.int32)
         self.early_bias_values = np.zeros((num_slots, BIAS_WIDTH), np.float32)
         self.page_table = np.zeros((num_slots + 1, max_pages), np.int32)  # (the padding row stays zero)
+        self.adapter_slot = np.full(num_slots, -1, np.int32)  # the LoRA adapter slot the row's request reads
         self.pages: list[np.ndarray] = [NO_PAGES] * num_slots  # the Request.pages each page-table row copies
         self._constants: dict = {}  # inputs of features no row of a step uses, by (feature, bucket): see constant
 
@@ -58,6 +59,7 @@ class InputBatch:
         """Write a newly admitted request's options into its slot's rows."""
         params = request.params
         self.owner[slot] = request.admit_index
+        self.adapter_slot[slot] = request.adapter_slot
         self.float_options[slot] = (params.temperature, params.top_p, params.min_p, params.repetition_penalty,
                                     params.presence_penalty, params.frequency_penalty)  # fmt: skip
         seed = np.uint32(request.seed % 2**32).view(np.int32)
@@ -96,6 +98,15 @@ class InputBatch:
         """The step's padded ragged batch: `lens[i]` tokens of the sequence in `rows[i]` from `starts[i]`."""
         page_tables = self.page_table[rows]
         return ragged_model_input(token_ids, starts, lens, page_tables, self.page_size, num_tokens, len(rows))
+
+    def adapter_slots(self, slots: np.ndarray, lens: np.ndarray, num_tokens: int) -> np.ndarray:
+        """Each of the step's tokens' adapter slot (-1: none, as for padding)."""
+        per_sequence = self.adapter_slot[slots]
+        if not (per_sequence >= 0).any():
+            return self.constant(("no adapters", num_tokens), lambda: np.full(num_tokens, -1, np.int32))
+        out = np.full(num_tokens, -1, np.int32)
+        out[: int(lens.sum())] = np.repeat(per_sequence, lens)
+        return out
 
     def sampling(self, rows, facts, padded_slots, num_output, constrained, bitmask, no_bias) -> SamplingBatch:
         """The step's sampling rows: each sequence's options gathered from its slot, padding rows greedy with

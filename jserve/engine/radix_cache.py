@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,14 +52,14 @@ class PrefixMatch:
 class RadixCache:
     def __init__(self, pool: PagePool, page_size: int):
         self.pool, self.page_size = pool, page_size
-        self.roots: dict[str | None, Node] = {}
+        self.roots: dict[Hashable, Node] = {}
         self.num_pages = 0  # pages the tree holds
         self.evictable_pages = 0  # of those, pages in unlocked nodes
         self._clock = itertools.count(1)
 
     # --- lookups and inserts ---------------------------------------------------------------------
 
-    def match_prefix(self, tokens: np.ndarray, salt: str | None = None) -> PrefixMatch:
+    def match_prefix(self, tokens: np.ndarray, salt: Hashable = None) -> PrefixMatch:
         """The longest cached run of whole pages that `tokens` starts with. A match ending inside an edge
         splits it there, so the match always ends at a node (which the caller may lock)."""
         node, pages, pos = self.root(salt), [], 0
@@ -78,7 +78,7 @@ class RadixCache:
             node = child
         return PrefixMatch(node, np.concatenate(pages) if pages else np.zeros(0, np.int32))
 
-    def peek_prefix(self, tokens: np.ndarray, salt: str | None = None) -> int:
+    def peek_prefix(self, tokens: np.ndarray, salt: Hashable = None) -> int:
         """How many pages match_prefix(tokens, salt) would match, found without touching the tree: no edge
         split, no access stamp, no root made for a new salt. For ranking many requests (ordering a queue),
         where a look must not make the prefixes looked at recently used."""
@@ -92,7 +92,7 @@ class RadixCache:
             node = child if n == len(child.pages) else None  # a match ending inside an edge ends there
         return pos // self.page_size
 
-    def insert(self, tokens: np.ndarray, pages: np.ndarray, salt: str | None = None) -> Node:
+    def insert(self, tokens: np.ndarray, pages: np.ndarray, salt: Hashable = None) -> Node:
         """Cache `pages` as holding the K/V of `tokens` (whole pages: len(tokens) == len(pages) * page_size).
         Parts already cached keep the tree's pages (the caller's copies stay the caller's); new parts are
         added and the tree takes a reference on their pages. Returns the node where `tokens` ends."""
@@ -175,7 +175,7 @@ class RadixCache:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def root(self, salt: str | None) -> Node:
+    def root(self, salt: Hashable) -> Node:
         if salt not in self.roots:
             self.roots[salt] = Node(np.zeros(0, np.int32), np.zeros(0, np.int32), None)
         return self.roots[salt]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +43,9 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM
     index: int = 0  # which of the parent's n completions this is
     parent_id: str | None = None
-    cache_salt: str | None = None  # prefix-cache namespace: requests share cached pages only within one
+    # prefix-cache namespace: requests share cached pages only within one (a str, or with an adapter a tuple)
+    cache_salt: Hashable = None
+    adapter: object | None = None  # the LoRA adapter it runs with (lora/registry.py ServedAdapter), None: the base
     stream: bool = True  # its consumer reads every step's delta (else only the finished output)
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -56,6 +59,7 @@ class Request:
     finish_time: float | None = None  # Scheduler
 
     slot: int = -1  # SequenceSlots: the engine row (page table, penalty state) while running
+    adapter_slot: int = -1  # AdapterSlots (lora/slots.py): the device slot holding its adapter while running
 
     # KVManager: the pages holding its K/V while it runs, covering at least its computed tokens.
     pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)

@@ -43,9 +43,15 @@ NO_ROWS, NO_FLAGS = np.zeros(0, np.int32), np.zeros(0, bool)  # a step's verify 
 
 class ModelRunner:
     def __init__(
-        self, model: LoadedModel, config: EngineConfig, stop_ids: frozenset[int], proposer: StepProposer | None = None
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        stop_ids: frozenset[int],
+        proposer: StepProposer | None = None,
+        adapters=None,
     ):
-        """`proposer`: a speculative proposer that runs inside each step (see engine/speculation.py)."""
+        """`proposer`: a speculative proposer that runs inside each step (see engine/speculation.py).
+        `adapters`: LoRA adapter slots (lora/slots.py), whose `weights` every step reads as they are at launch."""
         self.model, self.config = model, config
         self.stop_ids = stop_ids
         mesh = model.mesh
@@ -69,6 +75,7 @@ class ModelRunner:
         self.params, self.params_def = jax.tree_util.tree_flatten(model.params)
         self.proposer = proposer.run if proposer else None
         self.proposer_params = proposer.params if proposer else []
+        self.adapters = adapters
         self.executables: dict[int, jax.stages.Compiled] = {}
         self.packings: dict[int, StepPacking] = {}  # by bucket: how its step's host arrays travel
         self.places: dict[int, Places] = {}  # by bucket: the inputs a continued decode step advances
@@ -146,8 +153,8 @@ class ModelRunner:
                 self.places[bucket] = Places.of(packing, step)
                 lowered = self.step_fn.lower(
                     self.model.graphdef, self.attention, self.params_def, self.proposer, packing, self.params,
-                    self.proposer_params, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled,
-                    self._placed(packing.pack(step)),
+                    self.proposer_params, self._adapter_weights(), self.kv_cache, self.proposer_kv,
+                    self.penalty_state, self.sampled, self._placed(packing.pack(step)),
                 )  # fmt: skip
                 compiling.append((bucket, step, compiler.submit(lowered.compile)))
                 # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
@@ -253,11 +260,15 @@ class ModelRunner:
 
     def _execute(self, bucket: int, step: StepInput, packed: PackedStep | None = None) -> StepOutput:
         """Run the bucket's executable on a step's inputs (`packed`: packed already)."""
+        packed = packed if packed is not None else self.packings[bucket].pack(step)
         out, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled = self.executables[bucket](
-            self.params, self.proposer_params, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled,
-            self._placed(packed if packed is not None else self.packings[bucket].pack(step)),
+            self.params, self.proposer_params, self._adapter_weights(), self.kv_cache, self.proposer_kv,
+            self.penalty_state, self.sampled, self._placed(packed),
         )  # fmt: skip
         return out
+
+    def _adapter_weights(self) -> tuple | None:
+        return None if self.adapters is None else self.adapters.weights
 
     def _placed(self, packed: PackedStep) -> PackedStep:
         """The step's inputs as the executable takes them: on one device the numpy arrays themselves (cheaper
@@ -362,6 +373,7 @@ class ModelRunner:
             verify=self._verify_input(sequences, ends, num_verify, verify_bitmask),
             proposing=self._proposing_rows(sequences, cfg.proposing_rows(bucket)),
             deferred=deferred,
+            adapter_slots=batch.adapter_slots(slots, lens, bucket),
         )
 
     def _prompt_targets(self, sequences: list[ScheduledSequence], facts, starts, bucket: int) -> np.ndarray:

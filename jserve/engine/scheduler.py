@@ -30,6 +30,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -81,6 +82,31 @@ def proposing_rows(sequences: list[ScheduledSequence]) -> dict[int, int]:
     return {i: row for row, i in enumerate(i for i, s in enumerate(sequences) if s.proposes)}
 
 
+class AdmissionGate(Protocol):
+    """What limits admission beyond sequence slots and KV pages: asked before a request is admitted, told when
+    one is admitted (it runs from then on) and when one stops running (finished or preempted)."""
+
+    def can_admit(self, request: Request) -> bool: ...
+
+    def admitted(self, request: Request) -> None: ...
+
+    def released(self, request: Request) -> None: ...
+
+
+class _OpenGate:
+    def can_admit(self, request: Request) -> bool:
+        return True
+
+    def admitted(self, request: Request) -> None:
+        pass
+
+    def released(self, request: Request) -> None:
+        pass
+
+
+OPEN_GATE = _OpenGate()
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     sequences: list[ScheduledSequence]
@@ -95,8 +121,17 @@ LPM_MAX_QUEUE = 128  # beyond this many waiting requests, lpm ordering costs mor
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, stats: EngineStats, speculation: Speculation | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats: EngineStats,
+        speculation: Speculation | None = None,
+        gate: AdmissionGate | None = None,
+    ):
+        """`gate`: a limit on which requests may run together beyond slots and pages (lora/slots.py: the
+        adapters of running requests must fit the device's adapter slots)."""
         self.config, self.stats, self.speculation = config, stats, speculation
+        self.gate = gate or OPEN_GATE
         self.slots = SequenceSlots(config.max_num_seqs)
         self.kv = KVManager(config)
         self.waiting: list[Request] = []  # sorted by (priority, arrival, completion index)
@@ -202,6 +237,8 @@ class Scheduler:
                 break
             if self.hold_new and request.status is not RequestStatus.PREEMPTED:
                 continue
+            if not self.gate.can_admit(request):
+                continue  # (its adapter waits for a slot; requests behind it may run)
             match = self.kv.match(request)
             if self._follows(request, match, prefilling):
                 continue  # a request now prefilling computes this prefix; take it from the cache after
@@ -282,6 +319,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.slots.assign(request)
         request.admit_index = next(self._admissions)
+        self.gate.admitted(request)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
             if cached:
@@ -303,6 +341,7 @@ class Scheduler:
         """A running request stops running: its pages (cached, with caching) and slot go back."""
         self.kv.free(request)
         self.slots.release(request)
+        self.gate.released(request)
         self.running.remove(request)
 
     def check_idle(self) -> None:

@@ -40,6 +40,7 @@ from jserve.engine.sampler import (
 from jserve.engine.speculation import DeviceProposer, ProposingRows
 from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.models.forward import forward_states
+from jserve.models.low_rank import Adapters
 
 
 @jax.tree_util.register_dataclass
@@ -79,6 +80,7 @@ class StepInput:
     verify: VerifyInput
     proposing: ProposingRows  # D rows per bucket (0 without a device proposer)
     deferred: jax.Array  # [S] bool: the row's grammar mask comes later; its logits stay for sample_deferred
+    adapter_slots: jax.Array  # [T] i32: the LoRA adapter slot each token's request reads, -1: none
 
 
 @jax.tree_util.register_dataclass
@@ -112,6 +114,7 @@ def engine_step(
     packing: StepPacking,
     params: list[jax.Array],
     proposer_params: list[jax.Array],
+    adapter_weights: tuple | None,
     kv_cache: KVCache,
     proposer_kv: KVCache,
     penalty_state: PenaltyState,
@@ -123,7 +126,8 @@ def engine_step(
     token_ids = jnp.where(rows >= 0, sampled.token_ids[jnp.maximum(rows, 0)], step.model.token_ids)
     model_input = replace(step.model, token_ids=token_ids)
     params_tree = jax.tree_util.tree_unflatten(params_def, params)
-    logits, hidden, head, kv_cache = forward_states(graphdef, params_tree, kv_cache, model_input, attention)
+    adapters = None if adapter_weights is None else Adapters(step.adapter_slots, adapter_weights)
+    logits, hidden, head, kv_cache = forward_states(graphdef, params_tree, kv_cache, model_input, attention, adapters)
     with jax.named_scope("prompt_scores"):  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
         scores = score_positions(head, hidden, step.prompt_targets)
     with jax.named_scope("sampling"):
@@ -195,5 +199,5 @@ def jit_engine_step(out_shardings=None):
     tensor parallelism the runner pins the output shardings to the input ones, so donated state keeps its
     layout step to step."""
     return jax.jit(
-        engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8, 9, 10), out_shardings=out_shardings
+        engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8, 9, 10, 11), out_shardings=out_shardings
     )

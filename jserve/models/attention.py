@@ -8,6 +8,7 @@ from flax import nnx
 from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
 from jserve.models.linear import Linear
+from jserve.models.low_rank import LayerAdapters
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 from jserve.models.rotary import apply_rope
@@ -36,10 +37,13 @@ class Attention(nnx.Module):
         meta: AttentionMetadata,
         attention: AttentionBackend,
         norm: RMSNorm | None = None,
+        adapters: LayerAdapters | None = None,
     ) -> tuple[jax.Array, KVPages]:
-        """Attention over norm(x), or x (the projection applies the norm: see Linear)."""
+        """Attention over norm(x), or x (the projection applies the norm: see Linear); `adapters`: the tokens'
+        low-rank updates of the projections (low_rank.py)."""
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x, meta.real_tokens, norm))
+        qkv, o = (None, None) if adapters is None else (adapters.get("qkv_proj"), adapters.get("o_proj"))
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x, meta.real_tokens, norm, qkv))
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -48,4 +52,4 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out, kv = attention(q, k, v, kv, meta, scale=self.scale, sliding_window=self.sliding_window,
                             soft_cap=self.soft_cap)  # fmt: skip
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), meta.real_tokens), kv
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim), meta.real_tokens, delta=o), kv

@@ -18,6 +18,7 @@ from jserve.config import ModelConfig
 from jserve.models.decoder import DecoderLayer
 from jserve.models.embedding import Embedding
 from jserve.models.linear import Linear
+from jserve.models.low_rank import Adapters
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 from jserve.models.rotary import attention_factor, inverse_frequencies, rope_angles, sliding_layers_rope
@@ -63,10 +64,14 @@ class CausalLM(nnx.Module):
         return self.logits(hidden[batch.logits_indices]), kv_cache
 
     def hidden_states(
-        self, batch: ModelInput, kv_cache: KVCache, attention: AttentionBackend = REFERENCE
+        self,
+        batch: ModelInput,
+        kv_cache: KVCache,
+        attention: AttentionBackend = REFERENCE,
+        adapters: Adapters | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """Run the batch's tokens, write their K/V; returns the last layer's output [T, hidden] (before the final
-        norm, which the head applies)."""
+        norm, which the head applies). `adapters`: each token's LoRA adapter and their weights (low_rank.py)."""
         meta, config = batch.attention, self.config
         # (the frequencies and the factor are trace-time constants)
         rope = rope_angles(meta.positions, inverse_frequencies(config), attention_factor(config))
@@ -79,7 +84,8 @@ class CausalLM(nnx.Module):
         for i, (layer, window) in enumerate(zip(self.layers, config.sliding_windows, strict=True)):
             layer_rope = rope if window is None else local_rope
             layer_meta = meta.for_layer(kv_cache.first_page(i), kv_cache.page_size)
-            x, kv_cache = _run_layer(*nnx.split(layer), x, layer_rope, kv_cache, layer_meta, attention)
+            layer_adapters = None if adapters is None else adapters.layer(i)
+            x, kv_cache = _run_layer(*nnx.split(layer), x, layer_rope, kv_cache, layer_meta, attention, layer_adapters)
         return x, kv_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -100,5 +106,5 @@ class CausalLM(nnx.Module):
 # and shapes are the same): tracing 30 unrolled layers was most of each bucket's start-up. XLA inlines the
 # calls again (steps measured as fast or faster: docs/benchmarks.md).
 @partial(jax.jit, static_argnums=(0, 6))
-def _run_layer(graphdef, state, x, rope, kv, meta, attention):
-    return nnx.merge(graphdef, state)(x, rope, kv, meta, attention)
+def _run_layer(graphdef, state, x, rope, kv, meta, attention, adapters):
+    return nnx.merge(graphdef, state)(x, rope, kv, meta, attention, adapters)

@@ -8,6 +8,7 @@ from flax import nnx
 from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
 from jserve.models.attention import Attention
+from jserve.models.low_rank import LayerAdapters
 from jserve.models.mlp import MLP
 from jserve.models.moe import SparseMoE
 from jserve.models.norm import RMSNorm
@@ -35,8 +36,9 @@ class DecoderLayer(nnx.Module):
         kv: KVPages,
         meta: AttentionMetadata,
         attention: AttentionBackend,
+        adapters: LayerAdapters | None = None,
     ) -> tuple[jax.Array, KVPages]:
         # The norms go with x into the projections, which apply them (on a CPU, inside the int8 kernel).
-        attn_out, kv = self.self_attn(x, rope, kv, meta, attention, norm=self.input_layernorm)
+        attn_out, kv = self.self_attn(x, rope, kv, meta, attention, self.input_layernorm, adapters)
         x = x + attn_out
-        return x + self.mlp(x, meta.real_tokens, norm=self.post_attention_layernorm), kv
+        return x + self.mlp(x, meta.real_tokens, self.post_attention_layernorm, adapters), kv

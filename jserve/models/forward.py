@@ -14,6 +14,7 @@ import jax
 from flax import nnx
 
 from jserve.attention import AttentionBackend, KVCache, ModelInput
+from jserve.models.low_rank import Adapters
 
 
 def forward(
@@ -25,12 +26,17 @@ def forward(
 
 
 def forward_states(
-    graphdef: nnx.GraphDef, params: nnx.State, kv_cache: KVCache, batch: ModelInput, attention: AttentionBackend
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    kv_cache: KVCache,
+    batch: ModelInput,
+    attention: AttentionBackend,
+    adapters: Adapters | None = None,
 ) -> tuple[jax.Array, jax.Array, Callable[[jax.Array], jax.Array], KVCache]:
     """forward, also giving every token's hidden state [T, hidden] and the head that turns hidden states into
-    float32 logits (for scoring prompt tokens)."""
+    float32 logits (for scoring prompt tokens). `adapters`: LoRA adapters per token (models/low_rank.py)."""
     model = nnx.merge(graphdef, params)
-    hidden, kv_cache = model.hidden_states(batch, kv_cache, attention)
+    hidden, kv_cache = model.hidden_states(batch, kv_cache, attention, adapters)
     with jax.named_scope("lm_head"):  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
         logits = model.logits(hidden[batch.logits_indices])
     return logits, hidden, model.logits, kv_cache

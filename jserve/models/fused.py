@@ -14,12 +14,13 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def fuse(pieces: Sequence[np.ndarray], shards: int, axis: int = 0) -> np.ndarray:
+def fuse(pieces: Sequence[np.ndarray], shards: int, axis: int = 0, concatenate=np.concatenate) -> np.ndarray:
     """Checkpoint pieces (weights [rows, in], biases [rows], or stacked experts' [experts, rows, in]) -> the
-    fused array, rows (along `axis`) shard by shard."""
+    fused array, rows (along `axis`) shard by shard. `concatenate`: jnp.concatenate fuses jax arrays (in a
+    step: low_rank.py)."""
     before = pieces[0].shape[:axis]
     blocks = [piece.reshape(*before, shards, -1, *piece.shape[axis + 1 :]) for piece in pieces]
-    return np.concatenate(blocks, axis=axis + 1).reshape(*before, -1, *pieces[0].shape[axis + 1 :])
+    return concatenate(blocks, axis=axis + 1).reshape(*before, -1, *pieces[0].shape[axis + 1 :])
 
 
 def split(fused, widths: Sequence[int], shards: int, axis: int) -> list:

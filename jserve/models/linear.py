@@ -11,6 +11,7 @@ from flax import nnx
 
 from jserve import cpu_kernels
 from jserve.models import fused
+from jserve.models.low_rank import Delta
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization, int8_matmul
 
@@ -40,9 +41,20 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((rows,), dtype)) if bias else None
         self.segments: tuple[tuple[int, int], ...] | None = None  # GGUF blocks: (ggml type, rows) per run of rows
 
-    def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None, delta: Delta | None = None
+    ) -> jax.Array:
         """norm(x), or x, times the weight. Quantized, the CPU kernel applies the norm itself, and skips x's
-        rows past `real_rows` (int32 [1]: a step's padding; their outputs are zeros)."""
+        rows past `real_rows` (int32 [1]: a step's padding; their outputs are zeros). `delta`: adapters'
+        low-rank updates of the tokens, added in float (low_rank.py)."""
+        y = self._base(x, real_rows, norm)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if delta is not None:
+            y = y + delta(x if norm is None else norm(x), self.shards).astype(y.dtype)
+        return y
+
+    def _base(self, x: jax.Array, real_rows: jax.Array | None, norm: RMSNorm | None) -> jax.Array:
         if self.segments is not None:
             norm = None if norm is None else norm.params
             y = cpu_kernels.gguf_linear(x, self.weight[...], self.segments, real_rows, norm).astype(x.dtype)
@@ -52,7 +64,7 @@ class Linear(nnx.Module):
         else:
             norm = None if norm is None else norm.params
             y = int8_matmul(x, self.weight[...], self.weight_scale[...], real_rows, norm, self.activation_group)
-        return y if self.bias is None else y + self.bias[...]
+        return y
 
     def split(self, y: jax.Array) -> list[jax.Array]:
         """A fused projection's output -> its pieces' outputs (q, k, v or gate, up)."""

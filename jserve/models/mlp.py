@@ -5,6 +5,7 @@ from flax import nnx
 
 from jserve.config import ModelConfig
 from jserve.models.linear import Linear
+from jserve.models.low_rank import LayerAdapters
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 
@@ -17,10 +18,18 @@ class MLP(nnx.Module):
         self.down_proj = Linear(inner, hidden, bias=bias, dtype=dtype, quantization=quantization)
         self.gelu = config.hidden_activation == "gelu_tanh"
 
-    def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
-        """mlp(norm(x)), or mlp(x); `real_rows` (int32 [1]): x's rows past it are padding (see Linear.__call__)."""
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, real_rows, norm))
-        return self.down_proj(gated(gate, up, self.gelu), real_rows)
+    def __call__(
+        self,
+        x: jax.Array,
+        real_rows: jax.Array | None = None,
+        norm: RMSNorm | None = None,
+        adapters: LayerAdapters | None = None,
+    ) -> jax.Array:
+        """mlp(norm(x)), or mlp(x); `real_rows` (int32 [1]): x's rows past it are padding (see Linear.__call__);
+        `adapters`: the tokens' low-rank updates of the projections (low_rank.py)."""
+        gate_up, down = (None, None) if adapters is None else (adapters.get("gate_up_proj"), adapters.get("down_proj"))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x, real_rows, norm, gate_up))
+        return self.down_proj(gated(gate, up, self.gelu), real_rows, delta=down)
 
 
 def gated(gate: jax.Array, up: jax.Array, gelu: bool) -> jax.Array:

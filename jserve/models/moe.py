@@ -66,8 +66,12 @@ class SparseMoE(nnx.Module):
         self.top_k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
         self.parallelism = parallelism
 
-    def __call__(self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None) -> jax.Array:
-        """moe(norm(x)), or moe(x); `real_rows` (int32 [1]): x's rows past it are padding, routed nowhere."""
+    def __call__(
+        self, x: jax.Array, real_rows: jax.Array | None = None, norm: RMSNorm | None = None, adapters=None
+    ) -> jax.Array:
+        """moe(norm(x)), or moe(x); `real_rows` (int32 [1]): x's rows past it are padding, routed nowhere.
+        (`adapters`: as a dense MLP takes them; an adapter of expert projections is refused when it loads, so
+        none reach here.)"""
         x = x if norm is None else norm(x)
         weights, chosen = self.route(x, real_rows)
         mesh = self.parallelism.mesh

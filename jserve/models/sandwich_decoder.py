@@ -9,6 +9,7 @@ import jax
 from jserve.attention import AttentionBackend, AttentionMetadata, KVPages
 from jserve.config import ModelConfig
 from jserve.models.decoder import DecoderLayer
+from jserve.models.low_rank import LayerAdapters
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 from jserve.parallel import Parallelism
@@ -24,9 +25,9 @@ class SandwichDecoderLayer(DecoderLayer):
 
     def __call__(
         self, x: jax.Array, rope: tuple[jax.Array, jax.Array], kv: KVPages, meta: AttentionMetadata,
-        attention: AttentionBackend,
+        attention: AttentionBackend, adapters: LayerAdapters | None = None,
     ) -> tuple[jax.Array, KVPages]:  # fmt: skip
-        attn_out, kv = self.self_attn(x, rope, kv, meta, attention, norm=self.input_layernorm)
+        attn_out, kv = self.self_attn(x, rope, kv, meta, attention, self.input_layernorm, adapters)
         x = x + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(x, meta.real_tokens, norm=self.pre_feedforward_layernorm)
+        mlp_out = self.mlp(x, meta.real_tokens, self.pre_feedforward_layernorm, adapters)
         return x + self.post_feedforward_layernorm(mlp_out), kv
