@@ -118,6 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         enable_weight_routes=args.enable_weight_routes,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     return serve(EngineArgs.from_cli_args(args), settings, args.host, args.port, args.shutdown_timeout)
 

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-weight-routes", action="store_true",
                      help="serve POST /v1/update_weights (a checkpoint folder), POST /sleep, POST /wake_up and "
                      "GET /is_sleeping, for a trainer in another process (behind --api-key if one is set)")  # fmt: skip
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora; "
+                     "behind --api-key if one is set)")  # fmt: skip
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds a stop signal waits for requests in flight before aborting them")  # fmt: skip
     EngineArgs.add_cli_args(srv, positional_model=True)

@@ -54,13 +54,20 @@ class AdapterRegistry:
 
     def register(self, name: str, path: str | os.PathLike, int_id: int | None = None) -> ServedAdapter:
         """Load an adapter and serve it under `name` until unregistered."""
+        self._check_new(name)
+        return self.add(self.read(name, path, int_id))
+
+    def add(self, adapter: ServedAdapter) -> ServedAdapter:
+        """Serve an adapter `read` made (elsewhere: reading touches nothing the engine uses) by its name."""
+        self._check_new(adapter.name)
+        self.registered[adapter.name] = adapter
+        return adapter
+
+    def _check_new(self, name: str) -> None:
         if not name:
             raise AdapterError("an adapter needs a name")
         if self.get(name) is not None:
             raise AdapterError(f"an adapter named {name!r} is loaded already (unload it first)")
-        adapter = self._read(name, path, next(self._ids) if int_id is None else int_id)
-        self.registered[name] = adapter
-        return adapter
 
     def unregister(self, name: str) -> ServedAdapter:
         adapter = self.registered.pop(name, None) or self.cached.pop(name, None)
@@ -82,7 +89,7 @@ class AdapterRegistry:
             return adapter
         if not request.lora_path:
             raise AdapterError(f"no adapter named {request.lora_name!r} is loaded, and the request gives no path")
-        adapter = self._read(request.lora_name, request.lora_path, request.lora_int_id)
+        adapter = self.read(request.lora_name, request.lora_path, request.lora_int_id)
         self.cached[adapter.name] = adapter
         while len(self.cached) > self.config.host_capacity:
             self.cached.popitem(last=False)
@@ -91,7 +98,9 @@ class AdapterRegistry:
     def __iter__(self):
         return iter([*self.registered.values(), *self.cached.values()])
 
-    def _read(self, name: str, path: str | os.PathLike, int_id: int) -> ServedAdapter:
+    def read(self, name: str, path: str | os.PathLike, int_id: int | None = None) -> ServedAdapter:
+        """The adapter in `path` (a folder or hub id), checked against the base and ready for a slot."""
+        int_id = next(self._ids) if int_id is None else int_id
         folder = self._folder(path)
         weights = read_adapter(folder, self.base, self.config.max_lora_rank)
         adapter = ServedAdapter(name, int_id, str(path), weights.rank, weights.modules,

@@ -59,10 +59,13 @@ class EmbeddingEngine:
         priority: int = 0,
         prompt_text: str | None = None,
         cache_salt: str | None = None,
+        lora_request=None,
     ) -> str:
         """Validate and queue one input (token ids), as LLMEngine.add_request queues a prompt; raises a
         RequestError naming the field before anything is queued. Inputs share cached prefixes only with inputs
-        of the same `cache_salt`."""
+        of the same `cache_salt`. (`lora_request`: refused; adapters are served for generation.)"""
+        if lora_request is not None:
+            raise RequestError("LoRA adapters are served for generation, not by an embedding model", "lora_request")
         params = params or PoolingParams()
         dimensions = params.dimensions
         request_id = request_id if request_id is not None else str(next(self._ids))

@@ -21,10 +21,12 @@ from starlette.routing import Route
 import jserve
 from jserve.engine.args import EngineArgs
 from jserve.errors import EngineAsleepError, RequestError, short_repr
+from jserve.lora import LoRARequest
 from jserve.server.async_engine import AsyncEngine, EngineState
 from jserve.server.commands import PromptInput
 from jserve.server.embedding_routes import EmbeddingRoutes
 from jserve.server.errors import APIError, bad_request
+from jserve.server.lora_routes import LoRARoutes
 from jserve.server.metrics import ServerMetrics
 from jserve.server.protocol import GenerationRequest, parse_chat, parse_completion, parse_tokenize
 from jserve.server.request_body import read_json_object
@@ -48,6 +50,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model decides, its calls read by the parser
     tool_call_parser: str | None = None  # one of jserve.tools.TOOL_PARSERS
     enable_weight_routes: bool = False  # /v1/update_weights, /sleep, /wake_up, /is_sleeping (weight_routes.py)
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_routes.py)
 
 
 class OpenAIServer:
@@ -62,23 +65,27 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         gen = parse_completion(await self._read_json(request))
         self._check_generates(gen.model)
+        lora = self._lora_request(gen.model)
         prompts = await run_in_threadpool(self._completion_prompts, gen)
         echo = [p.text or "" for p in prompts] if gen.echo else None
         tokenizer = self.engine.info.tokenizer
+        name = lora.lora_name if lora else self.settings.served_model_name  # (vLLM answers with the adapter's)
         builder = CompletionResponses(
-            self.settings.served_model_name, gen.params.n, echo_texts=echo, prompt_logprobs=gen.return_prompt_logprobs,
+            name, gen.params.n, echo_texts=echo, prompt_logprobs=gen.return_prompt_logprobs,
             prompt_only=gen.prompt_only, decode=lambda t: tokenizer.decode([t], skip_special_tokens=False),
         )  # fmt: skip
-        return await self._generate(request, gen, prompts, builder)
+        return await self._generate(request, gen, prompts, builder, lora)
 
     async def chat_completions(self, request: Request) -> Response:
         gen = parse_chat(await self._read_json(request))
         self._check_generates(gen.model)
+        lora = self._lora_request(gen.model)
         tools = self._tool_calls(gen)
         prompts = [await run_in_threadpool(self._chat_request_prompt, gen)]
-        builder = ChatResponses(self.settings.served_model_name, gen.params.n, gen.params.logprobs or 0, tools,
+        name = lora.lora_name if lora else self.settings.served_model_name
+        builder = ChatResponses(name, gen.params.n, gen.params.logprobs or 0, tools,
                                 prompt_logprobs=gen.return_prompt_logprobs)  # fmt: skip
-        return await self._generate(request, gen, prompts, builder)
+        return await self._generate(request, gen, prompts, builder, lora)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -90,7 +97,13 @@ class OpenAIServer:
             card["task"] = "embed" if info.embeds else "generate"  # what the model does here
             if info.embeds:
                 card["embedding_dimension"] = info.dimension
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [card]
+        if info is not None and info.serves_adapters:
+            adapters = await self.engine.call(lambda engine: [(a.name, a.path) for a in engine.adapters])
+            cards += [{"id": adapter, "object": "model", "created": self.created, "owned_by": "jserve", "root": path,
+                       "parent": name, "max_model_len": info.max_model_len, "task": "generate"}
+                      for adapter, path in adapters]  # fmt: skip
+        return JSONResponse({"object": "list", "data": cards})
 
     async def health(self, request: Request) -> Response:
         state = self.engine.state
@@ -126,7 +139,7 @@ class OpenAIServer:
     # --- generation ------------------------------------------------------------------------------
 
     async def _generate(self, request: Request, gen: GenerationRequest, prompts: list[PromptInput],
-                        builder: ResponseBuilder) -> Response:  # fmt: skip
+                        builder: ResponseBuilder, lora: LoRARequest | None = None) -> Response:  # fmt: skip
         _check_fits(gen, prompts, self.engine.info.max_model_len)
         sequences, limit = len(prompts) * gen.params.n, self.settings.max_queue
         if sequences > limit:
@@ -135,8 +148,10 @@ class OpenAIServer:
         if self.engine.num_queued + sequences > limit:
             raise APIError(429, f"the queue is full ({limit} sequences waiting); retry later")
         try:
-            submission = await self.engine.submit(prompts, gen.params, gen.priority, gen.cache_salt)
+            submission = await self.engine.submit(prompts, gen.params, gen.priority, gen.cache_salt, lora)
         except RequestError as err:  # the engine's checks; a grammar that does not compile names the field it came in
+            if err.param == "lora_request":  # (an adapter named as the model, unloaded since it was checked)
+                raise self._no_model(gen.model) from None
             raise bad_request(
                 str(err), gen.structured_param if err.param == "structured_outputs" else err.param
             ) from None
@@ -239,9 +254,19 @@ class OpenAIServer:
 
     def _check_model(self, model: str | None) -> None:
         self._check_ready()  # so handlers may read self.engine.info
-        if model is not None and model != self.settings.served_model_name:
-            raise APIError(404, f"the model {short_repr(model)} does not exist; this server serves "
-                           f"'{self.settings.served_model_name}'", "model", "model_not_found")  # fmt: skip
+        if model is not None and model != self.settings.served_model_name and not self.engine.info.serves_adapters:
+            raise self._no_model(model)
+
+    def _no_model(self, model: str) -> APIError:
+        adapters = " or one of its LoRA adapters (GET /v1/models)" if self.engine.info.serves_adapters else ""
+        return APIError(404, f"the model {short_repr(model)} does not exist; this server serves "
+                        f"'{self.settings.served_model_name}'{adapters}", "model", "model_not_found")  # fmt: skip
+
+    def _lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's model names (checked as the engine queues it), or None for the base model."""
+        if model is None or model == self.settings.served_model_name:
+            return None
+        return LoRARequest(model)
 
     def _check_generates(self, model: str | None) -> None:
         self._check_model(model)
@@ -332,6 +357,8 @@ def build_app(engine_args: EngineArgs, settings: ServerSettings) -> Starlette:
     routes += EmbeddingRoutes(server).routes()
     if settings.enable_weight_routes:
         routes += WeightRoutes(server).routes()
+    if settings.allow_runtime_lora_updating:
+        routes += LoRARoutes(server).routes()
     handlers = {APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
                 Exception: _server_error}  # fmt: skip
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

@@ -23,6 +23,7 @@ from typing import Any
 from jserve.engine.args import EngineArgs
 from jserve.engine.engine import LLMEngine
 from jserve.errors import JServeError
+from jserve.lora import LoRARequest
 from jserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jserve.pooling import EmbeddingEngine, PoolingConfig, PoolingParams
 from jserve.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class EngineInfo:
     grammars: GrammarCompiler | None
     pooling: PoolingConfig | None = None  # an embedding model's pooling (None: a model that generates)
     dimension: int | None = None  # an embedding model's vectors' length
+    serves_adapters: bool = False  # LoRA adapters are enabled: a request's model may name one
 
     @property
     def embeds(self) -> bool:
@@ -97,6 +99,7 @@ class AsyncEngine:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Submission:
         """Queue one engine request per prompt (PoolingParams: one input each to embed); raises RequestError
         (the engine's validation, naming the field) if any is bad, in which case none is queued. A grammar is
@@ -109,7 +112,7 @@ class AsyncEngine:
         submission = Submission([f"{prefix}-{i}" for i in range(len(prompts))], n, self._abort)
         accepted = submission.loop.create_future()
         self.submissions.add(submission)
-        self.commands.put(AddRequests(submission, prompts, params, priority, cache_salt, accepted))
+        self.commands.put(AddRequests(submission, prompts, params, priority, cache_salt, lora_request, accepted))
         try:
             await accepted
         except BaseException:  # refused, or the client left while it was being queued
@@ -218,7 +221,13 @@ class AsyncEngine:
         try:
             for request_id, prompt in zip(submission.request_ids, command.prompts, strict=True):
                 self.engine.add_request(
-                    prompt.token_ids, command.params, request_id, command.priority, prompt.text, command.cache_salt
+                    prompt.token_ids,
+                    command.params,
+                    request_id,
+                    command.priority,
+                    prompt.text,
+                    command.cache_salt,
+                    lora_request=command.lora_request,
                 )
                 added.append(request_id)
         except Exception as err:  # bad input: withdraw this call's requests, touch nothing else
@@ -255,7 +264,8 @@ def engine_info(engine: LLMEngine | EmbeddingEngine) -> EngineInfo:
     vocab, max_model_len = engine.model.config.vocab_size, engine.config.max_model_len
     if isinstance(engine, EmbeddingEngine):
         return EngineInfo(engine.tokenizer, vocab, max_model_len, None, engine.pooling, engine.dimension)
-    return EngineInfo(engine.tokenizer, vocab, max_model_len, engine.grammars)
+    return EngineInfo(engine.tokenizer, vocab, max_model_len, engine.grammars,
+                      serves_adapters=engine.adapters is not None)  # fmt: skip
 
 
 def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from jserve.lora import LoRARequest
 from jserve.pooling import PoolingParams
 from jserve.sampling_params import SamplingParams
 from jserve.server.submission import Submission
@@ -31,6 +32,7 @@ class AddRequests:
     params: SamplingParams | PoolingParams  # PoolingParams: inputs to embed
     priority: int
     cache_salt: str | None
+    lora_request: LoRARequest | None  # the adapter the prompts run with (None: the base model)
     accepted: asyncio.Future[None]  # settled on the event loop: a result once queued, the refusal if not
 
 
