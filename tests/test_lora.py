@@ -4,6 +4,8 @@ device slots there are, and whatever the prefix cache holds. Every engine runs w
 step that compiled after warm-up (adapters coming and going must not recompile anything) fails the test."""
 
 import json
+import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,10 +13,18 @@ from safetensors.numpy import load_file, save_file
 
 from jserve import LoRARequest, SamplingParams, cpu_kernels
 from jserve.errors import RequestError
+from jserve.models.quantization import quantize_rows
 
 from test_engine import prompts, tiny_llm
 from tiny_adapters import save_tiny_adapter
-from tiny_models import VARIANTS, assert_engine_idle, reference_greedy, save_tiny_checkpoint, write_gguf
+from tiny_models import (
+    VARIANTS,
+    assert_engine_idle,
+    reference_greedy,
+    reference_logits,
+    save_tiny_checkpoint,
+    write_gguf,
+)
 
 FAMILIES = ["llama", "mistral-sliding", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -45,16 +55,39 @@ def lora(root, name, int_id=1):
     return LoRARequest(name, int_id, str(root / name))
 
 
+def reference_log_softmax(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    """The reference's next-token log-probabilities [len(tokens), vocab] along `tokens` generated after `prompt`."""
+    logits = reference_logits(model, prompt + tokens)[len(prompt) - 1 : -1].astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def top_logprobs(completion) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids [steps, k], logprobs [steps, k]) of a completion's top logprobs at each step."""
+    ids = [sorted(entry) for entry in completion.logprobs]
+    values = [[entry[t].logprob for t in row] for entry, row in zip(completion.logprobs, ids, strict=True)]
+    return np.array(ids), np.array(values)
+
+
 @pytest.mark.parametrize("variant", FAMILIES)
 def test_each_request_gets_its_adapters_tokens_in_a_mixed_batch(tmp_path, variant):
+    """Greedy tokens, and the top-3 logprobs at every step (which tell adapters apart where a tiny model's argmax
+    does not: Gemma 2's soft-capped logits pick one token whatever the adapter)."""
     base, adapters = adapter_set(tmp_path, variant)
     llm = tiny_llm(tmp_path / "base", enable_lora=True, max_loras=2)
     batch = prompts(6, seed=3)
     names = ["a", "b", None, "a", None, "b"]
-    outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[name and lora(tmp_path, name) for name in names])
-    expected = references([adapters[name] if name else base for name in names], batch)
-    assert token_ids(outs) == expected
-    assert expected[0] != references([base], batch[:1])[0], "the adapter should change the tokens"
+    params = replace(GREEDY, logprobs=3)
+    outs = llm.generate(batch, params, use_tqdm=False, lora_request=[name and lora(tmp_path, name) for name in names])
+    models = [adapters[name] if name else base for name in names]
+    assert token_ids(outs) == references(models, batch)
+    for model, ids, out in zip(models, batch, outs, strict=True):
+        tokens = out.outputs[0].token_ids
+        top, got = top_logprobs(out.outputs[0])
+        steps = np.arange(len(tokens))[:, None]
+        np.testing.assert_allclose(got, reference_log_softmax(model, ids, tokens)[steps, top], rtol=0, atol=2e-4)
+        if model is not base:  # (by ten times the tolerance: the comparison above tells adapters apart)
+            assert np.abs(reference_log_softmax(base, ids, tokens)[steps, top] - got).max() > 2e-3
     assert_engine_idle(llm)
 
 
@@ -72,7 +105,8 @@ def llamas(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_slot(llamas):
     """An engine with one adapter slot: a batch of several adapters runs them in turns."""
-    return tiny_llm(llamas[0] / "base", enable_lora=True, max_loras=1, max_lora_rank=16, enable_prefix_caching=True)
+    return tiny_llm(llamas[0] / "base", enable_lora=True, max_loras=1, max_lora_rank=16, max_cpu_loras=4,
+                    enable_prefix_caching=True)  # fmt: skip
 
 
 def test_a_batch_of_more_adapters_than_slots_takes_turns(llamas, one_slot):
@@ -192,13 +226,32 @@ def test_an_engine_without_enable_lora_refuses_adapters(llamas):
         tiny_llm(root / "base", lora_modules=[f"a={root / 'a'}"])
 
 
-def test_int8_base_takes_float_adapters(llamas):
-    root, base, adapters = llamas
-    llm = tiny_llm(root / "base", quantization="int8", enable_lora=True, max_loras=2, max_lora_rank=16)
+def int8_rounded_checkpoint(source, folder):
+    """A copy of a float checkpoint with every matrix rounded as --quantization int8 rounds it (per row)."""
+    folder.mkdir()
+    for path in source.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, folder / path.name)
+    weights = load_file(source / "model.safetensors")
+    for name, w in weights.items():
+        if w.ndim == 2:
+            q, scale = quantize_rows(w)
+            weights[name] = np.asarray(q, np.float32) * np.asarray(scale)[:, None]
+    save_file(weights, folder / "model.safetensors")
+
+
+def test_int8_base_takes_float_adapters(llamas, tmp_path):
+    """int8 weights (float adapters on top) give the tokens of their float values with the same adapters."""
+    root, _, _ = llamas
+    int8_rounded_checkpoint(root / "base", tmp_path / "rounded")
     batch = prompts(4, seed=10)
     names = ["a", "c", None, "a"]
-    outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[name and lora(root, name) for name in names])
-    assert token_ids(outs) == references([adapters[name] if name else base for name in names], batch)
+    outputs = {}
+    for folder, quantization in ((root / "base", "int8"), (tmp_path / "rounded", "none")):
+        llm = tiny_llm(folder, quantization=quantization, enable_lora=True, max_loras=2, max_lora_rank=16)
+        outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[name and lora(root, name) for name in names])
+        outputs[quantization] = token_ids(outs)
+    assert outputs["int8"] == outputs["none"]
 
 
 def test_gguf_blocks_base_takes_float_adapters(llamas, tmp_path):
