@@ -24,6 +24,8 @@ from jserve.engine.step import init_sampled
 from jserve.engine.step_packing import StepPacking
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.loader.weights import abstract_model
+from jserve.lora import AdapterSlots, SlotLayout
+from jserve.parallel.partition import WeightPlacement
 from jserve.spec_decode import Drafter
 
 from accelerators import lowering_for
@@ -43,11 +45,16 @@ def runner(tiny_llama_checkpoint):
 
 
 def lower_step(
-    runner, platform: str, attention, quantization: str = "none", dtype=jnp.bfloat16, config=None
+    runner, platform: str, attention, quantization: str = "none", dtype=jnp.bfloat16, config=None, adapters=None
 ) -> list[str]:
     """The lowered text of the runner's step for an 8B-shaped Llama (or `config`): a lone decode, and a full
-    mixed step."""
+    mixed step. `adapters`: LoRA slots (a SlotLayout) the step reads."""
     config = config or MODEL_SHAPES["llama3-8b"]
+    adapter_weights = None
+    if adapters is not None:
+        adapter_weights = jax.eval_shape(
+            lambda: AdapterSlots(adapters, dtype, WeightPlacement.create(config, None)).weights
+        )
     graphdef, abstract = abstract_model(config, dtype, quantization)
     params, params_def = jax.tree_util.tree_flatten(abstract)
 
@@ -73,8 +80,8 @@ def lower_step(
         step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask),
                        verify=replace(step.verify, token_bitmask=verify_bitmask))  # fmt: skip
         packing = StepPacking.of(step)
-        args = (graphdef, attention, params_def, drafter, packing, params, draft_params, kv_cache(config.num_layers),
-                kv_cache(2), penalties, sampled, packing.pack(step))  # fmt: skip
+        args = (graphdef, attention, params_def, drafter, packing, params, draft_params, adapter_weights,
+                kv_cache(config.num_layers), kv_cache(2), penalties, sampled, packing.pack(step))  # fmt: skip
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
     return texts
@@ -97,6 +104,17 @@ def test_an_8b_step_lowers_for_the_accelerator(runner, platform, quantization):
         page = f"x{runner.config.page_size}x{config.num_kv_heads}x{config.head_dim}x"
         pages = re.findall(rf"%arg\d+: tensor<\d+{page}[a-z0-9]+>( \{{[^}}]*\}})?", main)
         assert len(pages) == 4 and all("tf.aliasing_output" in attrs for attrs in pages)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_an_8b_step_with_lora_adapters_lowers_for_the_accelerator(runner, platform):
+    """Four rank-16 adapter slots on every projection: two dense matmuls each, in XLA; no C++ kernel."""
+    backend_platform, kernel_call = PLATFORMS[platform]
+    attention = resolve_attention_backend("auto", platform=backend_platform)
+    layout = SlotLayout.of(MODEL_SHAPES["llama3-8b"], slots=4, rank=16)
+    for text in lower_step(runner, platform, attention, adapters=layout):
+        assert kernel_call in text and "jserve_" not in text
+        assert "tensor<4x48x4096xbf16>" in text  # a layer's q/k/v slots: 4 × (3 pieces × rank 16) × hidden
 
 
 @pytest.mark.parametrize("dtype,kernel_call", [(jnp.bfloat16, MOSAIC_GPU_CALL), (jnp.float32, TRITON_CALL)])
