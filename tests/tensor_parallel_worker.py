@@ -8,6 +8,7 @@ SPEC: "none", "ngram" for n-gram speculative decoding, or "draft" for the model 
 --expert-parallel: a mixture of experts splits its experts over the devices.
 --update-from FOLDER: then serve the weights of the checkpoint in FOLDER (LLM.update_weights) and decode again.
 --embed: serve the model as an embedder (mean pooling, normalized) instead, and embed the prompts.
+--lora A,B: serve the LoRA adapters in folders A and B, and decode the prompts with A, B, none and A.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file
 
-from jserve import LLM, SamplingParams
+from jserve import LLM, LoRARequest, SamplingParams
 from jserve.spec_decode import Speculator
 
 from tiny_models import jserve_prompt_logits
@@ -51,6 +52,10 @@ def main() -> None:
     sizes = [int(s) for s in sys.argv[4:] if s.isdigit()]
     if "--embed" in sys.argv:
         json.dump({tp: embed(model, tp) for tp in sizes}, sys.stdout)
+        return
+    if "--lora" in sys.argv:
+        folders = sys.argv[sys.argv.index("--lora") + 1].split(",")
+        json.dump({tp: with_adapters(model, tp, folders) for tp in sizes}, sys.stdout)
         return
     results = {}
     for tp in sizes:
@@ -98,6 +103,21 @@ def embed(model: str, tp: int) -> dict:
               kv_cache_memory=(48 << 20) // tp)  # fmt: skip
     vectors = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
     return {"embeddings": vectors, "kv_bytes": bytes_per_device(llm.engine.runner.kv_cache)}
+
+
+def with_adapters(model: str, tp: int, folders: list[str]) -> dict:
+    """Each prompt's greedy tokens and sampled-token logprobs with adapters A, B, none, A (a batch mixing them)."""
+    llm = LLM(model, dtype="float32", tensor_parallel_size=tp, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=64, kv_cache_memory=(48 << 20) // tp, enable_lora=True, max_loras=2)  # fmt: skip
+    adapters = [LoRARequest(f"adapter{i}", i + 1, folder) for i, folder in enumerate(folders)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=[adapters[0], adapters[1], None, adapters[0]])
+    completions = [o.outputs[0] for o in outs]
+    return {
+        "tokens": [c.token_ids for c in completions],
+        "logprobs": [[entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs, strict=True)] for c in completions],
+        "kv_bytes": bytes_per_device(llm.engine.runner.kv_cache),
+    }
 
 
 if __name__ == "__main__":

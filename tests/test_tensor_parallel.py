@@ -19,7 +19,8 @@ from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.parallel import tensor_parallel_config
 
 from tensor_parallel_worker import GREEDY, PROMPTS
-from tiny_models import VARIANTS, save_tiny_checkpoint
+from tiny_adapters import save_tiny_adapter
+from tiny_models import VARIANTS, reference_greedy, save_tiny_checkpoint
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 
@@ -32,10 +33,12 @@ def run_worker(
     expert_parallel: bool = False,
     update_from: str | None = None,
     embed: bool = False,
+    lora: list[str] | None = None,
 ) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     args = [model, quantization, speculative, *map(str, sizes)] + (["--expert-parallel"] if expert_parallel else [])
     args += (["--update-from", update_from] if update_from else []) + (["--embed"] if embed else [])
+    args += ["--lora", ",".join(lora)] if lora else []
     done = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     return {int(tp): result for tp, result in json.loads(done.stdout).items()}
@@ -185,6 +188,22 @@ def test_new_weights_at_tp_2_and_4(tmp_path):
         assert result["updated_tokens"] == expected, f"tp={tp}"
         assert result["updated_tokens"] != result["tokens"], f"tp={tp}: the checkpoints should decode apart"
         assert result["weights_as_files"], f"tp={tp}"
+
+
+def test_lora_adapters_at_tp_2_and_4(tmp_path):
+    """Adapters split like their projections (B by rows for q/k/v and gate/up, A by input features for o and
+    down; KV heads replicated at 4): a batch mixing two adapters and the base decodes as on one device, and as
+    transformers + PEFT does."""
+    base = save_tiny_checkpoint(tmp_path / "base", "llama")
+    peft_models = [save_tiny_adapter(tmp_path / name, base, seed) for seed, name in enumerate("ab", start=1)]
+    results = run_worker(str(tmp_path / "base"), [1, 2, 4], lora=[str(tmp_path / "a"), str(tmp_path / "b")])
+    models = [peft_models[0], peft_models[1], base, peft_models[0]]
+    expected = [reference_greedy(model, ids, 12) for model, ids in zip(models, PROMPTS, strict=True)]
+    for tp, result in results.items():
+        assert result["tokens"] == expected, f"tp={tp}"
+        np.testing.assert_allclose(np.concatenate(result["logprobs"]), np.concatenate(results[1]["logprobs"]),
+                                   atol=3e-4, err_msg=f"tp={tp}")  # fmt: skip
+        assert sum(1 for b in result["kv_bytes"] if b) == tp, f"tp={tp}"
 
 
 def test_embeddings_at_tp_2_and_4(tmp_path):
