@@ -77,7 +77,7 @@ class SlotLayout:
         def spec(name: str, pieces: int) -> LowRank:
             column = name in COLUMN_PARALLEL
             a = PartitionSpec() if column else PartitionSpec(None, None, MODEL_AXIS)
-            b = PartitionSpec(None, MODEL_AXIS, None) if column else PartitionSpec()
+            b = PartitionSpec(MODEL_AXIS, None, None) if column else PartitionSpec()
             return LowRank(NamedSharding(mesh, a), tuple(NamedSharding(mesh, b) for _ in range(pieces)))
 
         return tuple({name: spec(name, len(rows)) for name, (_, rows) in layer.items()} for layer in self.layers)
@@ -89,7 +89,7 @@ class AdapterSlots:
         shardings = layout.shardings(placement) if placement.mesh else None
         zeros = tuple(
             {name: LowRank(jnp.zeros((layout.slots, len(rows) * layout.rank, inputs), dtype),
-                           tuple(jnp.zeros((layout.slots, width, layout.rank), dtype) for width in rows))
+                           tuple(jnp.zeros((width, layout.slots, layout.rank), dtype) for width in rows))
              for name, (inputs, rows) in projections.items()}
             for projections in layout.layers
         )  # fmt: skip
@@ -134,19 +134,15 @@ class AdapterSlots:
         self.loads += 1
         return slot
 
-    def forget(self, adapter) -> None:
-        """An unloaded adapter's slot is free for others at once (requests still running keep reading it)."""
-        for slot, held in enumerate(self.held):
-            if held is adapter and not self.pins[slot]:
-                self.held[slot], self.last_used[slot] = None, 0
-
     def check_idle(self) -> None:
         assert not self.pins.any(), f"adapter slots still held: {self.pins.tolist()}"
 
 
 def _write_slot(weights, slot, host):
-    return jax.tree.map(partial(_set_row, slot=slot), weights, host)
+    """Every projection's slot `slot` set to the adapter's arrays (A's slot is its first axis, B's its second)."""
+    return jax.tree.map(partial(_write_projection, slot=slot), weights, host, is_leaf=lambda x: isinstance(x, LowRank))
 
 
-def _set_row(array, row, slot):
-    return array.at[slot].set(row.astype(array.dtype))
+def _write_projection(weights: LowRank, host: LowRank, slot) -> LowRank:
+    a = weights.a.at[slot].set(host.a.astype(weights.a.dtype))
+    return LowRank(a, tuple(b.at[:, slot].set(new.astype(b.dtype)) for b, new in zip(weights.b, host.b, strict=True)))

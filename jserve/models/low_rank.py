@@ -23,7 +23,8 @@ from jserve.models import fused
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LowRank:
-    """One projection's adapters: `a` [slots, pieces × rank, in], `b` per piece [slots, rows, rank] (scaled)."""
+    """One projection's adapters: `a` [slots, pieces × rank, in], `b` per piece [rows, slots, rank] (scaled).
+    Both keep the contracted axes last, as the base weight's [out, in] does: the matmuls read them in place."""
 
     a: jax.Array
     b: tuple[jax.Array, ...]
@@ -69,7 +70,7 @@ class Delta:
         own = self.token_slots[:, None] == jnp.arange(slots, dtype=self.token_slots.dtype)[None, :]
         xa = jnp.where(own[:, :, None], xa, 0)
         outs = [
-            jnp.einsum("tsr,sor->to", xa[:, :, p * rank : (p + 1) * rank], b.astype(x.dtype))
+            jnp.einsum("tsr,osr->to", xa[:, :, p * rank : (p + 1) * rank], b.astype(x.dtype))
             for p, b in enumerate(pieces)
         ]
         return outs[0] if len(outs) == 1 else fused.fuse(outs, shards, axis=1, concatenate=jnp.concatenate)
