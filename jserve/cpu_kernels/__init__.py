@@ -2,10 +2,11 @@
 
 paged_attention.cc is the ragged paged attention of the `cpu` attention backend; int8_linear.cc the
 projections of --quantization int8 (with AVX-512 VNNI); gguf_linear.cc projections and lookups of weights
-kept in GGUF's block formats (gguf_tiles*.cc: with AVX-512 VNNI or AVX2); zero_pages.cc allocates the KV cache and
-write_kv.cc writes into it. The sources are compiled together, once per machine, source, compiler and
-jaxlib, with -march=native, into $JSERVE_CACHE/kernels/, and registered as XLA custom calls. Without a
-C++ compiler `available()` is False and the CPU runs the plain-JAX attention and XLA's int8 dot instead.
+kept in GGUF's block formats (gguf_tiles*.cc: with AVX-512 VNNI or AVX2); lora.cc the products of LoRA
+adapters, each token with its own; zero_pages.cc allocates the KV cache and write_kv.cc writes into it. The
+sources are compiled together, once per machine, source, compiler and jaxlib, with -march=native, into
+$JSERVE_CACHE/kernels/, and registered as XLA custom calls. Without a C++ compiler `available()` is False
+and the CPU runs the plain-JAX attention and XLA's int8 dot instead.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ TARGETS = {  # XLA name: exported symbol
     "jserve_write_kv": "JserveWriteKv",
     "jserve_gguf_linear": "JserveGgufLinear",
     "jserve_gguf_rows": "JserveGgufRows",
+    "jserve_lora_shrink": "JserveLoraShrink",
+    "jserve_lora_expand": "JserveLoraExpand",
 }
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC")
 # Linked apart, without -ffast-math: with it GCC links crtfastmath.o, which switches on flush-to-zero for
@@ -238,6 +241,22 @@ def gguf_rows(table: jax.Array, ggml_type: int, depth: int, ids: jax.Array) -> j
     load()
     call = jax.ffi.ffi_call("jserve_gguf_rows", jax.ShapeDtypeStruct((ids.shape[0], depth), jnp.float32))
     return call(table, ids.astype(jnp.int32), type=np.int64(ggml_type))
+
+
+def lora_shrink(x: jax.Array, slots: jax.Array, a: jax.Array) -> jax.Array:
+    """x [T, in] times each token's own slot of A [slots, W, in] -> [T, W] float32 (zeros where slots < 0)."""
+    load()
+    call = jax.ffi.ffi_call("jserve_lora_shrink", jax.ShapeDtypeStruct((x.shape[0], a.shape[1]), jnp.float32))
+    return call(x.astype(jnp.float32), slots.astype(jnp.int32), a.astype(jnp.float32))
+
+
+def lora_expand(y: jax.Array, xa: jax.Array, slots: jax.Array, b: jax.Array, offset: int = 0) -> jax.Array:
+    """y [T, Y] float32 with xa [T, R] times each token's own slot of B [out, slots, R] added to its columns
+    [offset, offset + out) (rows where slots < 0 unchanged), in place: the result is y's buffer."""
+    load()
+    call = jax.ffi.ffi_call("jserve_lora_expand", jax.ShapeDtypeStruct(y.shape, jnp.float32),
+                            input_output_aliases={0: 0})  # fmt: skip
+    return call(y, xa.astype(jnp.float32), slots.astype(jnp.int32), b.astype(jnp.float32), offset=np.int64(offset))
 
 
 def write_kv(

@@ -267,7 +267,7 @@ class ModelRunner:
         )  # fmt: skip
         return out
 
-    def _adapter_weights(self) -> tuple | None:
+    def _adapter_weights(self):
         return None if self.adapters is None else self.adapters.weights
 
     def _placed(self, packed: PackedStep) -> PackedStep:

@@ -40,7 +40,7 @@ from jserve.engine.sampler import (
 from jserve.engine.speculation import DeviceProposer, ProposingRows
 from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.models.forward import forward_states
-from jserve.models.low_rank import Adapters
+from jserve.models.low_rank import Adapters, SlotWeights
 
 
 @jax.tree_util.register_dataclass
@@ -114,7 +114,7 @@ def engine_step(
     packing: StepPacking,
     params: list[jax.Array],
     proposer_params: list[jax.Array],
-    adapter_weights: tuple | None,
+    adapter_weights: SlotWeights | None,
     kv_cache: KVCache,
     proposer_kv: KVCache,
     penalty_state: PenaltyState,

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jserve import cpu_kernels
 from jserve.config import ModelConfig
 from jserve.lora.peft import PROJECTION_PIECES, AdapterWeights
-from jserve.models.low_rank import LowRank
+from jserve.models.low_rank import LowRank, SlotWeights
 from jserve.parallel.partition import MODEL_AXIS, WeightPlacement, replicate_kv_heads
 
 log = logging.getLogger("jserve")
@@ -87,13 +88,17 @@ class AdapterSlots:
     def __init__(self, layout: SlotLayout, dtype, placement: WeightPlacement):
         self.layout, self.placement = layout, placement
         shardings = layout.shardings(placement) if placement.mesh else None
+        # jserve's C++ kernel on one CPU device; XLA's matmuls elsewhere (low_rank.py)
+        cpu_kernel = placement.mesh is None and jax.default_backend() == "cpu" and cpu_kernels.available()
         zeros = tuple(
             {name: LowRank(jnp.zeros((layout.slots, len(rows) * layout.rank, inputs), dtype),
                            tuple(jnp.zeros((width, layout.slots, layout.rank), dtype) for width in rows))
              for name, (inputs, rows) in projections.items()}
             for projections in layout.layers
         )  # fmt: skip
-        self.weights = zeros if shardings is None else jax.device_put(zeros, shardings)
+        if shardings is not None:
+            zeros, shardings = jax.device_put(zeros, shardings), SlotWeights(shardings, cpu_kernel)
+        self.weights = SlotWeights(zeros, cpu_kernel)
         self._write = jax.jit(_write_slot, donate_argnums=0, out_shardings=shardings)
         self.held: list[object | None] = [None] * layout.slots  # the adapter in each slot (ServedAdapter)
         self.pins = np.zeros(layout.slots, np.int64)  # running requests reading each slot
@@ -138,9 +143,11 @@ class AdapterSlots:
         assert not self.pins.any(), f"adapter slots still held: {self.pins.tolist()}"
 
 
-def _write_slot(weights, slot, host):
+def _write_slot(weights: SlotWeights, slot, host: HostSlot) -> SlotWeights:
     """Every projection's slot `slot` set to the adapter's arrays (A's slot is its first axis, B's its second)."""
-    return jax.tree.map(partial(_write_projection, slot=slot), weights, host, is_leaf=lambda x: isinstance(x, LowRank))
+    write = partial(_write_projection, slot=slot)
+    layers = jax.tree.map(write, weights.layers, host, is_leaf=lambda x: isinstance(x, LowRank))
+    return SlotWeights(layers, weights.cpu_kernel)
 
 
 def _write_projection(weights: LowRank, host: LowRank, slot) -> LowRank:

@@ -1,0 +1,110 @@
+// LoRA's two products for a step's tokens, each token with its own adapter slot (models/low_rank.py):
+//   shrink: xa[t] = A[slot[t]] · x[t]     x [T, in], A [slots, W, in]  -> xa [T, W]
+//   expand: y[t, offset:offset + out] += B[:, slot[t]] · xa[t]   xa [T, R], B [out, slots, R], y [T, Y]
+// in place: y is the projection's output (a fused one's: each piece adds into its own columns), so nothing
+// is added or concatenated after the kernel. A token without an adapter (slot < 0: the base model, or
+// padding) gets zeros from shrink and is left as it is by expand, at no cost. XLA's
+// matmuls would compute every slot for every token and read every slot's weights; here only the slots the
+// step's tokens use are read, once per call: tokens are grouped by slot, and each weight row is multiplied
+// against its group's tokens while it is in cache. A token's sums never depend on the other tokens of the
+// step (each is its own dot product, in a fixed order), so a batch gives each request its solo result.
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRowsPerItem = 16;  // weight rows one worker item multiplies
+
+float Dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// The step's tokens grouped by slot: groups[s] lists the tokens that read slot s.
+std::vector<std::vector<int64_t>> GroupBySlot(const int32_t* slots, int64_t tokens, int64_t num_slots) {
+  std::vector<std::vector<int64_t>> groups(num_slots);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] >= 0 && slots[t] < num_slots) groups[slots[t]].push_back(t);
+  }
+  return groups;
+}
+
+ffi::Error Shrink(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> a,
+                  ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto x_dims = x.dimensions(), a_dims = a.dimensions();
+  if (x_dims.size() != 2 || a_dims.size() != 3 || a_dims[2] != x_dims[1] || slots.element_count() != x_dims[0]) {
+    return ffi::Error::InvalidArgument("lora shrink: x [T, in], slots [T], A [slots, W, in]");
+  }
+  const int64_t tokens = x_dims[0], inputs = x_dims[1], num_slots = a_dims[0], width = a_dims[1];
+  float* y = out->typed_data();
+  std::fill(y, y + tokens * width, 0.0f);
+  const auto groups = GroupBySlot(slots.typed_data(), tokens, num_slots);
+  std::vector<std::pair<int64_t, int64_t>> items;  // (slot, first row)
+  for (int64_t s = 0; s < num_slots; ++s) {
+    for (int64_t row = 0; !groups[s].empty() && row < width; row += kRowsPerItem) items.emplace_back(s, row);
+  }
+  const float* xs = x.typed_data();
+  const float* as = a.typed_data();
+  jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    const auto [s, first] = items[i];
+    for (int64_t row = first; row < std::min(first + kRowsPerItem, width); ++row) {
+      const float* weights = as + (s * width + row) * inputs;
+      for (const int64_t t : groups[s]) y[t * width + row] = Dot(weights, xs + t * inputs, inputs);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Expand(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32> xa, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t offset) {
+  const auto xa_dims = xa.dimensions(), b_dims = b.dimensions(), y_dims = out->dimensions();
+  if (xa_dims.size() != 2 || b_dims.size() != 3 || y_dims.size() != 2 || b_dims[2] != xa_dims[1] ||
+      slots.element_count() != xa_dims[0] || y_dims[0] != xa_dims[0] || offset < 0 ||
+      offset + b_dims[0] > y_dims[1]) {
+    return ffi::Error::InvalidArgument("lora expand: y [T, Y], xa [T, R], slots [T], B [out, slots, R], "
+                                       "offset + out <= Y");
+  }
+  const int64_t tokens = xa_dims[0], rank = xa_dims[1], outputs = b_dims[0], num_slots = b_dims[1];
+  const int64_t stride = y_dims[1];
+  float* y = out->typed_data() + offset;
+  const int32_t* token_slots = slots.typed_data();
+  const float* xs = xa.typed_data();
+  const float* bs = b.typed_data();
+  jserve::ParallelFor((outputs + kRowsPerItem * 4 - 1) / (kRowsPerItem * 4), [&](int64_t item) {
+    const int64_t first = item * kRowsPerItem * 4, last = std::min(first + kRowsPerItem * 4, outputs);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t s = token_slots[t];
+      if (s < 0 || s >= num_slots) continue;
+      float* row = y + t * stride;
+      for (int64_t o = first; o < last; ++o) row[o] += Dot(bs + (o * num_slots + s) * rank, xs + t * rank, rank);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveLoraShrink, Shrink,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveLoraExpand, Expand,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("offset"));
