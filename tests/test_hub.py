@@ -17,9 +17,11 @@ from jserve.engine.args import EngineArgs
 from jserve.errors import ModelLoadError
 from jserve.loader import load_model
 from jserve.loader.resolve import resolve_model
+from jserve.lora import LoRARequest
 
 from fake_hub import FakeHub, FakeRepo, folder_files
 from test_engine import GREEDY, prompts, tiny_llm, token_ids
+from tiny_adapters import save_tiny_adapter
 from tiny_models import jserve_prompt_logits, save_tiny_checkpoint, tiny_kv_bytes, write_gguf
 
 PROMPT = list(range(3, 40))
@@ -59,7 +61,14 @@ def checkpoints(tmp_path_factory, tiny_llama_checkpoint):
     (root / "gguf").mkdir()
     write_gguf(torch_model, folder, root / "gguf" / "tiny-f32.gguf")
     write_gguf(torch_model, folder, root / "gguf" / "tiny-f16.gguf", float_dtype=np.float16)
-    return {"local": folder, "sharded": root / "sharded", "v1": root / "v1", "gguf": root / "gguf"}
+    save_tiny_adapter(root / "lora", torch_model, seed=1)
+    return {
+        "local": folder,
+        "sharded": root / "sharded",
+        "v1": root / "v1",
+        "gguf": root / "gguf",
+        "lora": root / "lora",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +82,7 @@ def repos(checkpoints):
         "acme/gated-llama": FakeRepo({"main": v1}, token=TOKEN),
         "acme/no-weights": FakeRepo({"main": {**no_weights, "pytorch_model.bin": b"\0" * 1024}}),
         "acme/tiny-llama-GGUF": FakeRepo({"main": {**folder_files(checkpoints["gguf"]), "README.md": b"# tiny"}}),
+        "acme/tiny-llama-lora": FakeRepo({"main": {**folder_files(checkpoints["lora"]), "README.md": b"# lora"}}),
     }
 
 
@@ -129,6 +139,21 @@ def test_cached_model_loads_with_no_request_and_with_the_hub_stopped(hub, checkp
         jserve_prompt_logits(load_model("acme/tiny-llama", "float32", revision="v1"), PROMPT),
         jserve_prompt_logits(load_model(checkpoints["v1"], "float32"), PROMPT),
     )
+
+
+def test_a_lora_adapter_downloads_its_two_files_then_loads_from_the_cache(hub, checkpoints):
+    batch = prompts(2, seed=4)
+    local = LoRARequest("local", 1, str(checkpoints["lora"]))
+    expected = token_ids(tiny_llm(checkpoints["local"], enable_lora=True).generate(batch, GREEDY, use_tqdm=False,
+                                                                                 lora_request=local))  # fmt: skip
+    hubbed = LoRARequest("hubbed", 2, "acme/tiny-llama-lora")
+    llm = tiny_llm(checkpoints["local"], enable_lora=True)
+    assert token_ids(llm.generate(batch, GREEDY, use_tqdm=False, lora_request=hubbed)) == expected
+    assert sorted(hub.fetched()) == ["acme/tiny-llama-lora/adapter_config.json",
+                                     "acme/tiny-llama-lora/adapter_model.safetensors"]  # fmt: skip
+    hub.stop()
+    again = tiny_llm(checkpoints["local"], enable_lora=True)
+    assert token_ids(again.generate(batch, GREEDY, use_tqdm=False, lora_request=hubbed)) == expected
 
 
 def test_download_dir_holds_the_download_and_is_looked_up(hub, cache, tmp_path):

@@ -271,3 +271,25 @@ def test_gguf_blocks_base_takes_float_adapters(llamas, tmp_path):
         outs = llm.generate(batch, GREEDY, use_tqdm=False, lora_request=[name and lora(root, name) for name in names])
         outputs[quantization] = token_ids(outs)
     assert outputs["gguf"] == outputs["none"]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs a C++ compiler to build jserve's kernels")
+def test_the_cpu_kernel_adds_what_the_masked_matmuls_add():
+    """The C++ kernel's products (each token's own slot, added in place) against XLA's masked matmuls, for a
+    fused projection of three pieces, tokens of every slot, without one, and padding."""
+    import jax
+    import jax.numpy as jnp
+
+    from jserve.models.low_rank import Delta, LowRank
+
+    rng = np.random.default_rng(0)
+    slots, rank, inputs, rows = 3, 8, 48, (40, 16, 16)
+    weights = LowRank(jnp.asarray(rng.normal(size=(slots, 3 * rank, inputs)), jnp.float32),
+                      tuple(jnp.asarray(rng.normal(size=(slots, rank, r)), jnp.float32) for r in rows))  # fmt: skip
+    token_slots = jnp.asarray([0, 2, -1, 1, 2, 2, -1, 0, -1, -1], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(10, inputs)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(10, sum(rows))), jnp.float32)
+    kernel = jax.jit(lambda y, x: Delta(weights, token_slots, cpu_kernel=True).add_to(y, x))(y, x)
+    masked = jax.jit(lambda y, x: Delta(weights, token_slots, cpu_kernel=False).add_to(y, x))(y, x)
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(masked), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(kernel)[[2, 6, 8, 9]], np.asarray(y)[[2, 6, 8, 9]])  # base rows

@@ -251,7 +251,7 @@ def lora_shrink(x: jax.Array, slots: jax.Array, a: jax.Array) -> jax.Array:
 
 
 def lora_expand(y: jax.Array, xa: jax.Array, slots: jax.Array, b: jax.Array, offset: int = 0) -> jax.Array:
-    """y [T, Y] float32 with xa [T, R] times each token's own slot of B [out, slots, R] added to its columns
+    """y [T, Y] float32 with xa [T, R] times each token's own slot of B [slots, R, out] added to its columns
     [offset, offset + out) (rows where slots < 0 unchanged), in place: the result is y's buffer."""
     load()
     call = jax.ffi.ffi_call("jserve_lora_expand", jax.ShapeDtypeStruct(y.shape, jnp.float32),

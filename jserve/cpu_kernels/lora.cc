@@ -1,6 +1,6 @@
 // LoRA's two products for a step's tokens, each token with its own adapter slot (models/low_rank.py):
 //   shrink: xa[t] = A[slot[t]] · x[t]     x [T, in], A [slots, W, in]  -> xa [T, W]
-//   expand: y[t, offset:offset + out] += B[:, slot[t]] · xa[t]   xa [T, R], B [out, slots, R], y [T, Y]
+//   expand: y[t, offset:offset + out] += xa[t] · B[slot[t]]   xa [T, R], B [slots, R, out], y [T, Y]
 // in place: y is the projection's output (a fused one's: each piece adds into its own columns), so nothing
 // is added or concatenated after the kernel. A token without an adapter (slot < 0: the base model, or
 // padding) gets zeros from shrink and is left as it is by expand, at no cost. XLA's
@@ -21,12 +21,38 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRowsPerItem = 16;  // weight rows one worker item multiplies
+constexpr int64_t kRowsPerItem = 16;      // rows of A one shrink item multiplies
+constexpr int64_t kOutputsPerItem = 256;  // outputs one expand item adds to
 
-float Dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+constexpr int64_t kTokensPerPass = 4;     // tokens one pass over a row of A multiplies
+constexpr int64_t kOutputsInRegisters = 64;
+
+// A row of A times kTokensPerPass tokens' rows (x[k]; a group of fewer repeats its last token): the row is
+// read once, and the sums are independent chains the core runs side by side. Every token's sum is formed
+// in the same order whatever its group holds.
+void Dots(const float* w, const float* const* x, int64_t n, float* sums) {
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+  const float *x0 = x[0], *x1 = x[1], *x2 = x[2], *x3 = x[3];
+  for (int64_t i = 0; i < n; ++i) {
+    s0 += w[i] * x0[i];
+    s1 += w[i] * x1[i];
+    s2 += w[i] * x2[i];
+    s3 += w[i] * x3[i];
+  }
+  sums[0] = s0, sums[1] = s1, sums[2] = s2, sums[3] = s3;
+}
+
+// y[0:count] += Σ_r scale[r] · w[r, 0:count] (rows of w `stride` apart), the sums held in registers for a full
+// block; each output adds its terms in r order either way.
+template <int64_t kCount>
+void AddRows(float* y, const float* scale, const float* w, int64_t rank, int64_t stride, int64_t count) {
+  float acc[kCount ? kCount : kOutputsInRegisters];  // (a partial block: count < kOutputsInRegisters)
+  for (int64_t j = 0; j < (kCount ? kCount : count); ++j) acc[j] = y[j];
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* row = w + r * stride;
+    for (int64_t j = 0; j < (kCount ? kCount : count); ++j) acc[j] += scale[r] * row[j];
+  }
+  for (int64_t j = 0; j < (kCount ? kCount : count); ++j) y[j] = acc[j];
 }
 
 // The step's tokens grouped by slot: groups[s] lists the tokens that read slot s.
@@ -56,9 +82,18 @@ ffi::Error Shrink(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::Buf
   const float* as = a.typed_data();
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const auto [s, first] = items[i];
+    const auto& group = groups[s];
     for (int64_t row = first; row < std::min(first + kRowsPerItem, width); ++row) {
       const float* weights = as + (s * width + row) * inputs;
-      for (const int64_t t : groups[s]) y[t * width + row] = Dot(weights, xs + t * inputs, inputs);
+      for (size_t k = 0; k < group.size(); k += kTokensPerPass) {
+        const float* rows[kTokensPerPass];
+        for (int64_t j = 0; j < kTokensPerPass; ++j) {
+          rows[j] = xs + group[std::min(k + j, group.size() - 1)] * inputs;
+        }
+        float sums[kTokensPerPass];
+        Dots(weights, rows, inputs, sums);
+        for (size_t j = 0; j < kTokensPerPass && k + j < group.size(); ++j) y[group[k + j] * width + row] = sums[j];
+      }
     }
   });
   return ffi::Error::Success();
@@ -67,25 +102,31 @@ ffi::Error Shrink(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::Buf
 ffi::Error Expand(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32> xa, ffi::Buffer<ffi::S32> slots,
                   ffi::Buffer<ffi::F32> b, ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t offset) {
   const auto xa_dims = xa.dimensions(), b_dims = b.dimensions(), y_dims = out->dimensions();
-  if (xa_dims.size() != 2 || b_dims.size() != 3 || y_dims.size() != 2 || b_dims[2] != xa_dims[1] ||
+  if (xa_dims.size() != 2 || b_dims.size() != 3 || y_dims.size() != 2 || b_dims[1] != xa_dims[1] ||
       slots.element_count() != xa_dims[0] || y_dims[0] != xa_dims[0] || offset < 0 ||
-      offset + b_dims[0] > y_dims[1]) {
-    return ffi::Error::InvalidArgument("lora expand: y [T, Y], xa [T, R], slots [T], B [out, slots, R], "
+      offset + b_dims[2] > y_dims[1]) {
+    return ffi::Error::InvalidArgument("lora expand: y [T, Y], xa [T, R], slots [T], B [slots, R, out], "
                                        "offset + out <= Y");
   }
-  const int64_t tokens = xa_dims[0], rank = xa_dims[1], outputs = b_dims[0], num_slots = b_dims[1];
+  const int64_t tokens = xa_dims[0], rank = xa_dims[1], num_slots = b_dims[0], outputs = b_dims[2];
   const int64_t stride = y_dims[1];
   float* y = out->typed_data() + offset;
   const int32_t* token_slots = slots.typed_data();
   const float* xs = xa.typed_data();
   const float* bs = b.typed_data();
-  jserve::ParallelFor((outputs + kRowsPerItem * 4 - 1) / (kRowsPerItem * 4), [&](int64_t item) {
-    const int64_t first = item * kRowsPerItem * 4, last = std::min(first + kRowsPerItem * 4, outputs);
+  jserve::ParallelFor((outputs + kOutputsPerItem - 1) / kOutputsPerItem, [&](int64_t item) {
+    const int64_t first = item * kOutputsPerItem, last = std::min(first + kOutputsPerItem, outputs);
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t s = token_slots[t];
       if (s < 0 || s >= num_slots) continue;
-      float* row = y + t * stride;
-      for (int64_t o = first; o < last; ++o) row[o] += Dot(bs + (o * num_slots + s) * rank, xs + t * rank, rank);
+      const float* weights = bs + s * rank * outputs;
+      for (int64_t o = first; o < last; o += kOutputsInRegisters) {  // (along B's rows, in vectors)
+        if (o + kOutputsInRegisters <= last) {
+          AddRows<kOutputsInRegisters>(y + t * stride + o, xs + t * rank, weights + o, rank, outputs, 0);
+        } else {
+          AddRows<0>(y + t * stride + o, xs + t * rank, weights + o, rank, outputs, last - o);
+        }
+      }
     }
   });
   return ffi::Error::Success();

@@ -60,13 +60,13 @@ class SlotLayout:
             for name, (inputs, rows) in projections.items():
                 pieces = adapter.projections.get((index, name), (None,) * PROJECTION_PIECES[name])
                 a = np.zeros((len(rows), self.rank, inputs), np.float32)
-                b = [np.zeros((width, self.rank), np.float32) for width in rows]
+                b = [np.zeros((self.rank, width), np.float32) for width in rows]
                 for p, piece in enumerate(pieces):
                     if piece is not None:
                         down, up = piece
                         if name == "qkv_proj" and p:  # k, v
                             up = replicate_kv_heads("k_proj.weight", up, placement.original, placement.config)
-                        a[p, : down.shape[0]], b[p][:, : up.shape[1]] = down, up
+                        a[p, : down.shape[0]], b[p][: up.shape[1]] = down, up.T
                 arrays[name] = LowRank(a.reshape(-1, inputs), tuple(b))
             layers.append(arrays)
         return tuple(layers)
@@ -78,7 +78,7 @@ class SlotLayout:
         def spec(name: str, pieces: int) -> LowRank:
             column = name in COLUMN_PARALLEL
             a = PartitionSpec() if column else PartitionSpec(None, None, MODEL_AXIS)
-            b = PartitionSpec(MODEL_AXIS, None, None) if column else PartitionSpec()
+            b = PartitionSpec(None, None, MODEL_AXIS) if column else PartitionSpec()
             return LowRank(NamedSharding(mesh, a), tuple(NamedSharding(mesh, b) for _ in range(pieces)))
 
         return tuple({name: spec(name, len(rows)) for name, (_, rows) in layer.items()} for layer in self.layers)
@@ -92,7 +92,7 @@ class AdapterSlots:
         cpu_kernel = placement.mesh is None and jax.default_backend() == "cpu" and cpu_kernels.available()
         zeros = tuple(
             {name: LowRank(jnp.zeros((layout.slots, len(rows) * layout.rank, inputs), dtype),
-                           tuple(jnp.zeros((width, layout.slots, layout.rank), dtype) for width in rows))
+                           tuple(jnp.zeros((layout.slots, layout.rank, width), dtype) for width in rows))
              for name, (inputs, rows) in projections.items()}
             for projections in layout.layers
         )  # fmt: skip
@@ -144,7 +144,7 @@ class AdapterSlots:
 
 
 def _write_slot(weights: SlotWeights, slot, host: HostSlot) -> SlotWeights:
-    """Every projection's slot `slot` set to the adapter's arrays (A's slot is its first axis, B's its second)."""
+    """Every projection's slot `slot` set to the adapter's arrays."""
     write = partial(_write_projection, slot=slot)
     layers = jax.tree.map(write, weights.layers, host, is_leaf=lambda x: isinstance(x, LowRank))
     return SlotWeights(layers, weights.cpu_kernel)
@@ -152,4 +152,4 @@ def _write_slot(weights: SlotWeights, slot, host: HostSlot) -> SlotWeights:
 
 def _write_projection(weights: LowRank, host: LowRank, slot) -> LowRank:
     a = weights.a.at[slot].set(host.a.astype(weights.a.dtype))
-    return LowRank(a, tuple(b.at[:, slot].set(new.astype(b.dtype)) for b, new in zip(weights.b, host.b, strict=True)))
+    return LowRank(a, tuple(b.at[slot].set(new.astype(b.dtype)) for b, new in zip(weights.b, host.b, strict=True)))

@@ -30,8 +30,9 @@ from jserve.models import fused
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LowRank:
-    """One projection's adapters: `a` [slots, pieces × rank, in], `b` per piece [rows, slots, rank] (scaled).
-    Both keep the contracted axes last, as the base weight's [out, in] does: the matmuls read them in place."""
+    """One projection's adapters: `a` [slots, pieces × rank, in], `b` per piece [slots, rank, rows] (scaled):
+    each product's contracted axes adjacent (no transpose a step), and B's rows contiguous, so the CPU
+    kernel's expansion runs along them in vectors."""
 
     a: jax.Array
     b: tuple[jax.Array, ...]
@@ -99,7 +100,7 @@ class Delta:
         own = self.token_slots[:, None] == jnp.arange(slots, dtype=self.token_slots.dtype)[None, :]
         xa = jnp.where(own[:, :, None], xa, 0)
         outs = [
-            jnp.einsum("tsr,osr->to", xa[:, :, p * rank : (p + 1) * rank], b.astype(x.dtype))
+            jnp.einsum("tsr,sro->to", xa[:, :, p * rank : (p + 1) * rank], b.astype(x.dtype))
             for p, b in enumerate(pieces)
         ]
         delta = outs[0] if len(outs) == 1 else fused.fuse(outs, shards, axis=1, concatenate=jnp.concatenate)
@@ -114,5 +115,5 @@ class Delta:
         offset = 0
         for p, b in enumerate(pieces):
             y = cpu_kernels.lora_expand(y, xa[:, p * rank : (p + 1) * rank], slots, b, offset)
-            offset += b.shape[0]
+            offset += b.shape[2]
         return y
