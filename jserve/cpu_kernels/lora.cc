@@ -21,8 +21,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRowsPerItem = 16;      // rows of A one shrink item multiplies
-constexpr int64_t kOutputsPerItem = 256;  // outputs one expand item adds to
+// A worker item: rows of A against a slot's tokens (both stay in cache while the item runs), or a block of
+// outputs for a chunk of tokens; small enough that a decode step's few rows split over the cores.
+constexpr int64_t kRowsPerItem = 8;
+constexpr int64_t kTokensPerItem = 32;
+constexpr int64_t kOutputsPerItem = 256;
 
 constexpr int64_t kTokensPerPass = 4;     // tokens one pass over a row of A multiplies
 constexpr int64_t kOutputsInRegisters = 64;
@@ -74,25 +77,30 @@ ffi::Error Shrink(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::Buf
   float* y = out->typed_data();
   std::fill(y, y + tokens * width, 0.0f);
   const auto groups = GroupBySlot(slots.typed_data(), tokens, num_slots);
-  std::vector<std::pair<int64_t, int64_t>> items;  // (slot, first row)
+  struct Item {
+    int64_t slot, first_row, first_token;  // first_token: an index into the slot's group
+  };
+  std::vector<Item> items;
   for (int64_t s = 0; s < num_slots; ++s) {
-    for (int64_t row = 0; !groups[s].empty() && row < width; row += kRowsPerItem) items.emplace_back(s, row);
+    const int64_t count = static_cast<int64_t>(groups[s].size());
+    for (int64_t k = 0; k < count; k += kTokensPerItem) {
+      for (int64_t row = 0; row < width; row += kRowsPerItem) items.push_back({s, row, k});
+    }
   }
   const float* xs = x.typed_data();
   const float* as = a.typed_data();
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
-    const auto [s, first] = items[i];
-    const auto& group = groups[s];
-    for (int64_t row = first; row < std::min(first + kRowsPerItem, width); ++row) {
-      const float* weights = as + (s * width + row) * inputs;
-      for (size_t k = 0; k < group.size(); k += kTokensPerPass) {
+    const Item item = items[i];
+    const auto& group = groups[item.slot];
+    const int64_t end = std::min<int64_t>(item.first_token + kTokensPerItem, group.size());
+    for (int64_t row = item.first_row; row < std::min(item.first_row + kRowsPerItem, width); ++row) {
+      const float* weights = as + (item.slot * width + row) * inputs;
+      for (int64_t k = item.first_token; k < end; k += kTokensPerPass) {
         const float* rows[kTokensPerPass];
-        for (int64_t j = 0; j < kTokensPerPass; ++j) {
-          rows[j] = xs + group[std::min(k + j, group.size() - 1)] * inputs;
-        }
+        for (int64_t j = 0; j < kTokensPerPass; ++j) rows[j] = xs + group[std::min(k + j, end - 1)] * inputs;
         float sums[kTokensPerPass];
         Dots(weights, rows, inputs, sums);
-        for (size_t j = 0; j < kTokensPerPass && k + j < group.size(); ++j) y[group[k + j] * width + row] = sums[j];
+        for (int64_t j = 0; j < kTokensPerPass && k + j < end; ++j) y[group[k + j] * width + row] = sums[j];
       }
     }
   });
@@ -114,9 +122,11 @@ ffi::Error Expand(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32> xa, ffi::Buffer<f
   const int32_t* token_slots = slots.typed_data();
   const float* xs = xa.typed_data();
   const float* bs = b.typed_data();
-  jserve::ParallelFor((outputs + kOutputsPerItem - 1) / kOutputsPerItem, [&](int64_t item) {
-    const int64_t first = item * kOutputsPerItem, last = std::min(first + kOutputsPerItem, outputs);
-    for (int64_t t = 0; t < tokens; ++t) {
+  const int64_t blocks = (outputs + kOutputsPerItem - 1) / kOutputsPerItem;
+  jserve::ParallelFor(blocks * ((tokens + kTokensPerItem - 1) / kTokensPerItem), [&](int64_t item) {
+    const int64_t block = item % blocks, first_token = item / blocks * kTokensPerItem;
+    const int64_t first = block * kOutputsPerItem, last = std::min(first + kOutputsPerItem, outputs);
+    for (int64_t t = first_token; t < std::min(first_token + kTokensPerItem, tokens); ++t) {
       const int64_t s = token_slots[t];
       if (s < 0 || s >= num_slots) continue;
       const float* weights = bs + s * rank * outputs;
