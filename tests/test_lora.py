@@ -281,6 +281,7 @@ def test_the_cpu_kernel_adds_what_the_masked_matmuls_add():
     import jax.numpy as jnp
 
     from jserve.models.low_rank import Delta, LowRank
+    from jserve.models.norm import RMSNorm
 
     rng = np.random.default_rng(0)
     slots, rank, inputs, rows = 3, 8, 48, (40, 16, 16)
@@ -289,7 +290,13 @@ def test_the_cpu_kernel_adds_what_the_masked_matmuls_add():
     token_slots = jnp.asarray([0, 2, -1, 1, 2, 2, -1, 0, -1, -1], jnp.int32)
     x = jnp.asarray(rng.normal(size=(10, inputs)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(10, sum(rows))), jnp.float32)
-    kernel = jax.jit(lambda y, x: Delta(weights, token_slots, cpu_kernel=True).add_to(y, x))(y, x)
-    masked = jax.jit(lambda y, x: Delta(weights, token_slots, cpu_kernel=False).add_to(y, x))(y, x)
-    np.testing.assert_allclose(np.asarray(kernel), np.asarray(masked), rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(np.asarray(kernel)[[2, 6, 8, 9]], np.asarray(y)[[2, 6, 8, 9]])  # base rows
+    norm = RMSNorm(inputs, eps=1e-5, dtype=jnp.float32)
+    norm.weight.value = jnp.asarray(rng.normal(size=inputs), jnp.float32)
+
+    def added(cpu_kernel: bool, layer_norm) -> jax.Array:
+        return jax.jit(lambda y, x: Delta(weights, token_slots, cpu_kernel).add_to(y, x, layer_norm))(y, x)
+
+    for layer_norm in (None, norm):  # (the kernel applies the norm the base projection's kernel applied)
+        kernel, masked = added(True, layer_norm), added(False, layer_norm)
+        np.testing.assert_allclose(np.asarray(kernel), np.asarray(masked), rtol=1e-5, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(kernel)[[2, 6, 8, 9]], np.asarray(y)[[2, 6, 8, 9]])  # base rows

@@ -243,11 +243,14 @@ def gguf_rows(table: jax.Array, ggml_type: int, depth: int, ids: jax.Array) -> j
     return call(table, ids.astype(jnp.int32), type=np.int64(ggml_type))
 
 
-def lora_shrink(x: jax.Array, slots: jax.Array, a: jax.Array) -> jax.Array:
-    """x [T, in] times each token's own slot of A [slots, W, in] -> [T, W] float32 (zeros where slots < 0)."""
+def lora_shrink(x: jax.Array, slots: jax.Array, a: jax.Array, norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+    """x [T, in] times each token's own slot of A [slots, W, in] -> [T, W] float32 (zeros where slots < 0).
+    `norm` (weight [in], eps): x goes through that RMSNorm first (as int8_linear's)."""
     load()
+    norm_weight, eps = norm if norm is not None else (jnp.zeros((0,), jnp.float32), 0.0)
     call = jax.ffi.ffi_call("jserve_lora_shrink", jax.ShapeDtypeStruct((x.shape[0], a.shape[1]), jnp.float32))
-    return call(x.astype(jnp.float32), slots.astype(jnp.int32), a.astype(jnp.float32))
+    operands = (x.astype(jnp.float32), slots.astype(jnp.int32), norm_weight.astype(jnp.float32), a.astype(jnp.float32))
+    return call(*operands, eps=np.float32(eps))
 
 
 def lora_expand(y: jax.Array, xa: jax.Array, slots: jax.Array, b: jax.Array, offset: int = 0) -> jax.Array:

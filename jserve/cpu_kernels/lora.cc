@@ -1,5 +1,6 @@
 // LoRA's two products for a step's tokens, each token with its own adapter slot (models/low_rank.py):
 //   shrink: xa[t] = A[slot[t]] · x[t]     x [T, in], A [slots, W, in]  -> xa [T, W]
+//           (x through the layer's RMSNorm first when its weight is given, as the projection's kernel does)
 //   expand: y[t, offset:offset + out] += xa[t] · B[slot[t]]   xa [T, R], B [slots, R, out], y [T, Y]
 // in place: y is the projection's output (a fused one's: each piece adds into its own columns), so nothing
 // is added or concatenated after the kernel. A token without an adapter (slot < 0: the base model, or
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "row_norm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -67,16 +69,28 @@ std::vector<std::vector<int64_t>> GroupBySlot(const int32_t* slots, int64_t toke
   return groups;
 }
 
-ffi::Error Shrink(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> a,
-                  ffi::Result<ffi::Buffer<ffi::F32>> out) {
+ffi::Error Shrink(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::F32> norm,
+                  ffi::Buffer<ffi::F32> a, ffi::Result<ffi::Buffer<ffi::F32>> out, float eps) {
   const auto x_dims = x.dimensions(), a_dims = a.dimensions();
-  if (x_dims.size() != 2 || a_dims.size() != 3 || a_dims[2] != x_dims[1] || slots.element_count() != x_dims[0]) {
-    return ffi::Error::InvalidArgument("lora shrink: x [T, in], slots [T], A [slots, W, in]");
+  if (x_dims.size() != 2 || a_dims.size() != 3 || a_dims[2] != x_dims[1] || slots.element_count() != x_dims[0] ||
+      (norm.element_count() != 0 && norm.element_count() != x_dims[1])) {
+    return ffi::Error::InvalidArgument("lora shrink: x [T, in], slots [T], norm [in] or [0], A [slots, W, in]");
   }
   const int64_t tokens = x_dims[0], inputs = x_dims[1], num_slots = a_dims[0], width = a_dims[1];
   float* y = out->typed_data();
   std::fill(y, y + tokens * width, 0.0f);
   const auto groups = GroupBySlot(slots.typed_data(), tokens, num_slots);
+  const float* xs = x.typed_data();
+  std::vector<float> normed;  // the rows of tokens with an adapter, through the norm
+  if (norm.element_count() != 0) {
+    normed.resize(tokens * inputs);
+    for (const auto& group : groups) {
+      for (const int64_t t : group) {
+        jserve::NormalizeRow(xs + t * inputs, inputs, norm.typed_data(), eps, &normed[t * inputs]);
+      }
+    }
+    xs = normed.data();
+  }
   struct Item {
     int64_t slot, first_row, first_token;  // first_token: an index into the slot's group
   };
@@ -87,7 +101,6 @@ ffi::Error Shrink(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::Buf
       for (int64_t row = 0; row < width; row += kRowsPerItem) items.push_back({s, row, k});
     }
   }
-  const float* xs = x.typed_data();
   const float* as = a.typed_data();
   jserve::ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t i) {
     const Item item = items[i];
@@ -122,6 +135,9 @@ ffi::Error Expand(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32> xa, ffi::Buffer<f
   const int32_t* token_slots = slots.typed_data();
   const float* xs = xa.typed_data();
   const float* bs = b.typed_data();
+  if (std::none_of(token_slots, token_slots + tokens, [&](int32_t s) { return s >= 0 && s < num_slots; })) {
+    return ffi::Error::Success();  // (no token has an adapter: y stays as it is)
+  }
   const int64_t blocks = (outputs + kOutputsPerItem - 1) / kOutputsPerItem;
   jserve::ParallelFor(blocks * ((tokens + kTokensPerItem - 1) / kTokensPerItem), [&](int64_t item) {
     const int64_t block = item % blocks, first_token = item / blocks * kTokensPerItem;
@@ -149,7 +165,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveLoraShrink, Shrink,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveLoraExpand, Expand,
                               ffi::Ffi::Bind()

@@ -51,7 +51,7 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         if delta is not None:
-            y = delta.add_to(y, x if norm is None else norm(x), self.shards)
+            y = delta.add_to(y, x, norm, self.shards)
         return y
 
     def _base(self, x: jax.Array, real_rows: jax.Array | None, norm: RMSNorm | None) -> jax.Array:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jserve import cpu_kernels
 from jserve.models import fused
+from jserve.models.norm import RMSNorm
 
 
 @jax.tree_util.register_dataclass
@@ -84,16 +85,18 @@ class Delta:
     token_slots: jax.Array
     cpu_kernel: bool = False
 
-    def add_to(self, y: jax.Array, x: jax.Array, shards: int = 1) -> jax.Array:
+    def add_to(self, y: jax.Array, x: jax.Array, norm: RMSNorm | None = None, shards: int = 1) -> jax.Array:
         """y [T, rows] (the projection's output; a fused one's pieces in its row order) plus the delta of its
-        input x [T, in]."""
+        input, norm(x) or x [T, in]."""
         if not self.cpu_kernel or y.dtype != jnp.float32:
-            return self._masked(y, x, shards)
+            return self._masked(y, x, norm, shards)
         # (chosen by the platform the step is lowered for: a CPU host can lower an accelerator's step)
-        return jax.lax.platform_dependent(y, x, cpu=self._kernel, default=partial(self._masked, shards=shards))
+        kernel, masked = partial(self._kernel, norm=norm), partial(self._masked, norm=norm, shards=shards)
+        return jax.lax.platform_dependent(y, x, cpu=kernel, default=masked)
 
-    def _masked(self, y: jax.Array, x: jax.Array, shards: int) -> jax.Array:
+    def _masked(self, y: jax.Array, x: jax.Array, norm: RMSNorm | None, shards: int) -> jax.Array:
         """Every slot's products, each token's own slot kept: XLA's matmuls, on any device and sharding."""
+        x = x if norm is None else norm(x)
         a, pieces = self.weights.a, self.weights.b
         slots, rank = a.shape[0], a.shape[1] // len(pieces)
         xa = jnp.einsum("ti,swi->tsw", x, a.astype(x.dtype))
@@ -106,12 +109,12 @@ class Delta:
         delta = outs[0] if len(outs) == 1 else fused.fuse(outs, shards, axis=1, concatenate=jnp.concatenate)
         return y + delta.astype(y.dtype)
 
-    def _kernel(self, y: jax.Array, x: jax.Array) -> jax.Array:
+    def _kernel(self, y: jax.Array, x: jax.Array, norm: RMSNorm | None) -> jax.Array:
         """Each token's own slot only, added into y in place by jserve's C++ kernel (one device: each piece's
-        columns are one block of y's)."""
+        columns are one block of y's), which applies the norm to the rows of tokens with an adapter."""
         a, pieces, slots = self.weights.a, self.weights.b, self.token_slots
         rank = a.shape[1] // len(pieces)
-        xa = cpu_kernels.lora_shrink(x, slots, a)
+        xa = cpu_kernels.lora_shrink(x, slots, a, None if norm is None else norm.params)
         offset = 0
         for p, b in enumerate(pieces):
             y = cpu_kernels.lora_expand(y, xa[:, p * rank : (p + 1) * rank], slots, b, offset)
