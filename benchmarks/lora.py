@@ -50,13 +50,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for each engine's KV cache "
+                        "(on an accelerator: two engines share the device's memory)")  # fmt: skip
+    parser.add_argument("--max-model-len", type=int, default=None)
     args = parser.parse_args()
 
     from jserve import LLM, LoRARequest, SamplingParams
 
     model = None if args.model == "default" else args.model
-    base = LLM(model)
-    lora = LLM(model, enable_lora=True, max_loras=4, max_lora_rank=args.rank)
+    settings = dict(kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+    base = LLM(model, **settings)
+    lora = LLM(model, **settings, enable_lora=True, max_loras=4, max_lora_rank=args.rank)
     vocab = base.engine.model.config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, vocab - 100, args.prompt_tokens).tolist() for _ in range(args.concurrency)]

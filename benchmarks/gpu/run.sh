@@ -21,6 +21,8 @@
 #             must carry in two parts, see prepare.sh; without it the stage says so)
 #   weights   benchmarks/weight_update.py on random weights of Llama-3.2-1B's shape (float32): new weights from
 #             the engine's own arrays, host arrays and a folder, against a new LLM; sleep and wake
+#   lora      benchmarks/lora.py on the 8B shape: output tok/s at concurrency 64 with 0, 1 and 4 rank-16
+#             adapters (XLA's masked matmuls) against an engine without --enable-lora
 # The model is random weights of Llama-3-8B's shape in bfloat16. profile, roofline and serve build the same
 # engine (sequences, token budget, context, KV cache size), so they share compiled executables through jserve's
 # compilation cache.
@@ -31,7 +33,7 @@ cd "$(dirname "$0")/../.."
 
 DRY_RUN=0
 BUDGET=480
-STAGES="env,profile,roofline,kernels,serve,tests,notebook,weights"
+STAGES="env,profile,roofline,kernels,serve,tests,notebook,weights,lora"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
@@ -49,12 +51,12 @@ PYTHON="${PYTHON:-python3}"
 if [ "$DRY_RUN" = 1 ]; then  # toy sizes on the CPU: every code path, in a few minutes
   MODEL="random:smollm2-135m" CONTEXT=64 MAX_LEN=256 SEQS=4 TOKENS=64 KV=$((256 << 20))
   DECODE_BATCHES="1 4" PROFILE_BATCHES="1 4" PREFILL_SEQS=4 CONCURRENCY="1 4" OUTPUT_LEN=16
-  WEIGHTS_MODEL="random:smollm2-135m"
+  WEIGHTS_MODEL="random:smollm2-135m" LORA_CONCURRENCY=4 LORA_KV_BYTES=$((64 << 20))
   KERNEL_ARGS="--shape smollm2-135m --dtype float32 --seqs 4 --context 128 --chunk 32 --backends cpu reference"
 else
   MODEL="random:llama3-8b" CONTEXT=1024 MAX_LEN=1280 SEQS=256 TOKENS=2048 KV=$((48 << 30))
   DECODE_BATCHES="1 16 64 256" PROFILE_BATCHES="1 64" PREFILL_SEQS=16 CONCURRENCY="1 64 256" OUTPUT_LEN=128
-  WEIGHTS_MODEL="random:llama3.2-1b"
+  WEIGHTS_MODEL="random:llama3.2-1b" LORA_CONCURRENCY=64 LORA_KV_BYTES=$((8 << 30))
   KERNEL_ARGS="--shape llama3-8b --seqs 64 --context 2048 --chunk 512 --backends pallas pallas-mosaic-gpu reference"
 fi
 ENGINE_ARGS="--max-model-len $MAX_LEN --kv-cache-memory $KV --max-num-batched-tokens $TOKENS"
@@ -126,6 +128,11 @@ stage_weights() {
   "$PYTHON" benchmarks/weight_update.py --model "$WEIGHTS_MODEL" --repeats 1
 }
 
+stage_lora() {
+  "$PYTHON" benchmarks/lora.py --model "$MODEL" --concurrency "$LORA_CONCURRENCY" --max-tokens 64 --repeats 1 \
+    --kv-cache-memory "$LORA_KV_BYTES" --max-model-len "$MAX_LEN"
+}
+
 if [ -n "${STAGE_BODY:-}" ]; then
   "stage_$STAGE_BODY"
   exit $?
@@ -170,8 +177,10 @@ echo "set-up $(( $(date +%s) - START )) s; budget ${BUDGET} s; stages $STAGES; o
 # The longest each stage may take, seconds (at toy sizes they take far less). The first stage to build the 8B
 # engine (profile) compiles its step buckets, for a GPU with autotuning, and fills the compilation cache the
 # later ones read: its share is the largest. Once the budget is spent, the last stages are skipped.
-declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [serve]=150 [notebook]=60 [weights]=90)
-declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [serve]=80 [notebook]=30 [weights]=45)
+declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [serve]=150 [notebook]=60 [weights]=90
+                  [lora]=150)
+declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [serve]=80 [notebook]=30 [weights]=45
+                     [lora]=90)
 IFS=, read -ra ORDER <<< "$STAGES"
 for name in "${ORDER[@]}"; do
   left=$((DEADLINE - $(date +%s)))

@@ -53,6 +53,7 @@ def main() -> None:
     parts.append(section("Serving (jserve serve, serve.py)", serving(out) or tail(out / "serve.log", 15)))
     parts.append(section("Colab demo notebook", tail(out / "notebook.log", 8)))
     parts.append(section("New weights (weight_update.py)", tail(out / "weights.log", 14)))
+    parts.append(section("LoRA adapters (lora.py)", tail(out / "lora.log", 5)))
     print("\n".join(parts))
 
 
