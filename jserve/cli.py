@@ -20,7 +20,16 @@ log = logging.getLogger("jserve")
 def build_llm(args: argparse.Namespace):
     from jserve.llm import LLM
 
+    if getattr(args, "lora", None):
+        args.enable_lora = True
     return LLM.from_engine_args(EngineArgs.from_cli_args(args))
+
+
+def lora_request(args: argparse.Namespace):
+    """The adapter `--lora` names (None: the base model)."""
+    from jserve.lora import LoRARequest
+
+    return LoRARequest("cli", 1, args.lora) if args.lora else None
 
 
 def sampling_params(args: argparse.Namespace):
@@ -40,9 +49,9 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
-def stream_reply(llm, prompt_ids: list[int], params) -> str:
+def stream_reply(llm, prompt_ids: list[int], params, lora=None) -> str:
     start, reply = time.perf_counter(), []
-    for delta in llm.stream(prompt_ids, params):
+    for delta in llm.stream(prompt_ids, params, lora):
         reply.append(delta)
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -62,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     else:
         prompt_ids = tokenizer.encode(args.prompt)
     try:
-        stream_reply(llm, prompt_ids, params)
+        stream_reply(llm, prompt_ids, params, lora_request(args))
     finally:
         llm.close()
 
@@ -70,12 +79,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     llm, params = build_llm(args), sampling_params(args)
     try:
-        chat_loop(llm, params, args.system)
+        chat_loop(llm, params, args.system, lora_request(args))
     finally:
         llm.close()
 
 
-def chat_loop(llm, params, system: str | None) -> None:
+def chat_loop(llm, params, system: str | None, lora=None) -> None:
     tokenizer = llm.get_tokenizer()
     messages = [{"role": "system", "content": system}] if system else []
     print("Chat with the model; an empty line or Ctrl-D ends it.", file=sys.stderr)
@@ -88,7 +97,7 @@ def chat_loop(llm, params, system: str | None) -> None:
             break
         messages.append({"role": "user", "content": line})
         _, prompt_ids = tokenizer.encode_chat(messages)
-        reply = stream_reply(llm, prompt_ids, params)
+        reply = stream_reply(llm, prompt_ids, params, lora)
         messages.append({"role": "assistant", "content": reply})
 
 

@@ -23,6 +23,12 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def add_lora_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lora", default=None, metavar="PATH", help="reply with this LoRA adapter (a PEFT folder or hub id)"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jserve", description="LLM inference on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -30,12 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="reply to one prompt, streamed to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    for add in (EngineArgs.add_cli_args, DistributedArgs.add_cli_args, add_sampling_args):
+    for add in (EngineArgs.add_cli_args, DistributedArgs.add_cli_args, add_sampling_args, add_lora_arg):
         add(gen)
 
     chat = sub.add_parser("chat", help="an interactive chat in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
-    for add in (EngineArgs.add_cli_args, DistributedArgs.add_cli_args, add_sampling_args):
+    for add in (EngineArgs.add_cli_args, DistributedArgs.add_cli_args, add_sampling_args, add_lora_arg):
         add(chat)
 
     srv = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
