@@ -145,21 +145,21 @@ def test_prefix_cache_is_shared_within_an_adapter_only(llamas, one_slot):
     assert cached[:3] == [0, 0, 0] and cached[3] >= 48 and cached[4] >= 48
 
 
-def test_an_adapter_removed_while_queued_still_serves_its_requests(llamas):
+def test_an_adapter_removed_while_queued_still_serves_its_requests(llamas, one_slot):
     root, _, adapters = llamas
-    llm = tiny_llm(root / "base", enable_lora=True)
-    llm.add_lora(lora(root, "a"))
-    assert llm.list_loras() == ["a"]
+    llm = one_slot
+    llm.add_lora(LoRARequest("queued", 7, str(root / "a")))
+    assert "queued" in llm.list_loras()
     ids = prompts(1, seed=8)[0]
-    request_id = llm.engine.add_request(ids, GREEDY, lora_request=LoRARequest("a"))
-    llm.remove_lora("a")
-    with pytest.raises(RequestError, match="no adapter named 'a' is loaded"):
-        llm.generate([ids], GREEDY, use_tqdm=False, lora_request=LoRARequest("a"))
+    request_id = llm.engine.add_request(ids, GREEDY, lora_request=LoRARequest("queued"))
+    llm.remove_lora("queued")
+    with pytest.raises(RequestError, match="no adapter named 'queued' is loaded"):
+        llm.generate([ids], GREEDY, use_tqdm=False, lora_request=LoRARequest("queued"))
     outs = {}
     while llm.engine.has_unfinished_requests():
         outs |= {out.request_id: out for out in llm.engine.step() if out.finished}
     assert outs[request_id].outputs[0].token_ids == references([adapters["a"]], [ids])[0]
-    assert llm.list_loras() == []
+    assert "queued" not in llm.list_loras()
     assert_engine_idle(llm)
 
 
@@ -205,11 +205,12 @@ def test_an_adapter_that_does_not_fit_is_refused_and_changes_nothing(llamas, one
     assert_engine_idle(one_slot)
 
 
-def test_a_rank_above_the_limit_and_a_missing_folder_are_refused(llamas, tmp_path):
-    root, _, _ = llamas
-    llm = tiny_llm(root / "base", enable_lora=True, max_lora_rank=8)
-    with pytest.raises(RequestError, match="rank 16 is above --max-lora-rank 8"):
-        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=lora(root, "c"))
+def test_a_rank_above_the_limit_and_a_missing_folder_are_refused(llamas, one_slot, tmp_path):
+    _, base, _ = llamas
+    llm = one_slot
+    save_tiny_adapter(tmp_path / "wide", base, 4, rank=32)
+    with pytest.raises(RequestError, match="rank 32 is above --max-lora-rank 16"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=lora(tmp_path, "wide"))
     with pytest.raises(RequestError, match="neither an adapter folder nor a hub id"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=LoRARequest("x", 1, str(tmp_path / "none")))
     with pytest.raises(RequestError, match="has no adapter_config.json"):
