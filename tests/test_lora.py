@@ -255,12 +255,11 @@ def test_int8_base_takes_float_adapters(llamas, tmp_path):
     assert outputs["int8"] == outputs["none"]
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="GGUF blocks need jserve's C++ kernels (a compiler)")
 def test_gguf_blocks_base_takes_float_adapters(llamas, tmp_path):
     """Q8_0 blocks kept as the file has them (the CPU kernel) against the same file dequantized: equal tokens."""
     import gguf
 
-    if not cpu_kernels.available():
-        pytest.skip("GGUF blocks need jserve's C++ kernels (a compiler to build them)")
     root, base, _ = llamas
     write_gguf(base, root / "base", tmp_path / "model.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
     batch = prompts(4, seed=11)

@@ -42,7 +42,7 @@ class AdapterWeights:
     [out, r]) in float32, or None for a piece it does not adapt."""
 
     rank: int
-    modules: tuple[str, ...]  # the checkpoint modules it adapts, for logs and /v1/models
+    modules: tuple[str, ...]  # the checkpoint modules it adapts, for the load log line
     projections: dict[tuple[int, str], tuple[tuple[np.ndarray, np.ndarray] | None, ...]]
 
 

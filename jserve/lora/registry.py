@@ -29,8 +29,6 @@ class ServedAdapter:
     name: str
     int_id: int
     path: str
-    rank: int
-    modules: tuple[str, ...]
     host_slot: HostSlot = field(repr=False)  # its weights as one device slot takes them
     serial: int  # distinct per load: its prefix-cache namespace
 
@@ -103,8 +101,7 @@ class AdapterRegistry:
         int_id = next(self._ids) if int_id is None else int_id
         folder = self._folder(path)
         weights = read_adapter(folder, self.base, self.config.max_lora_rank)
-        adapter = ServedAdapter(name, int_id, str(path), weights.rank, weights.modules,
-                                self.layout.host(weights, self.placement), next(self._serials))  # fmt: skip
+        adapter = ServedAdapter(name, int_id, str(path), self.layout.host(weights, self.placement), next(self._serials))
         log.info("LoRA adapter %s loaded from %s: rank %d, %s", name, path, weights.rank, ", ".join(weights.modules))
         return adapter
 
