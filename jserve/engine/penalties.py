@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jserve.engine.carried_state import update_if
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -53,8 +55,9 @@ def update_penalty_state(
             output_counts.at[output_rows, token_ids].add(1, mode="drop"),
         )
 
-    # Clearing rows touches [S, V] of state; a step with nothing to record or clear skips it at run time.
-    return jax.lax.cond(jnp.any(recorded) | jnp.any(reset), record, lambda state: state, state)
+    # Clearing rows touches [S, V] of state; a step with nothing to record or clear skips it at run time where
+    # that costs no copy (carried_state.py), and otherwise drops every row.
+    return update_if(jnp.any(recorded) | jnp.any(reset), record, state)
 
 
 def apply_penalties(

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve.attention import AttentionBackend, KVCache, ModelInput
+from jserve.engine.carried_state import update_if
 from jserve.engine.prompt_logprobs import PromptScores, score_positions
 from jserve.engine.sampler import (
     PenaltyState,
@@ -149,15 +150,24 @@ def engine_step(
                 )  # fmt: skip
     num_rows = out.token_ids.shape[0]
     with jax.named_scope("sampling"):
-        held = jax.lax.cond(  # (written in place: the carry is donated)
-            jnp.any(step.deferred),
-            lambda held: held.at[:num_rows].set(jnp.asarray(logits, jnp.float32)),
-            lambda held: held,
-            sampled.held_logits,
-        )
+        held = hold_logits(sampled.held_logits, logits, step.deferred)
         sampled = Sampled(sampled.token_ids.at[:num_rows].set(out.token_ids), held)
     outputs = StepOutput(pack_samples(out), pack_samples(verified), proposals, scores)
     return outputs, kv_cache, proposer_kv, penalty_state, sampled
+
+
+def hold_logits(held: jax.Array, logits: jax.Array, deferred: jax.Array) -> jax.Array:
+    """The step's logits [R, V] written over the first R rows of `held` when a row defers its sampling
+    (`deferred` [R]), for sample_deferred; else `held` as it is (written in place: the carry is donated)."""
+    num_rows = logits.shape[0]
+    deferring, logits = jnp.any(deferred), jnp.asarray(logits, jnp.float32)
+    rows = jnp.where(deferring, jnp.arange(num_rows), held.shape[0])  # (the masked form's: past the end, dropped)
+    return update_if(
+        deferring,
+        lambda held: held.at[:num_rows].set(logits),
+        held,
+        masked=lambda held: held.at[rows].set(logits, mode="drop"),
+    )
 
 
 def sample_deferred(

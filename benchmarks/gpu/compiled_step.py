@@ -1,0 +1,275 @@
+"""The engine's step compiled for an NVIDIA GPU on this CPU host: what a GPU would run, read without one.
+
+XLA compiles for a GPU it does not have from a description of it (a target config) through JAX's CUDA plugin.
+This builds the runner's own jitted step for random weights of an 8B shape (abstract: nothing is allocated)
+and compiles each step bucket for an H100 or H200, then reports, per bucket:
+
+- compile seconds, and the executable's memory: arguments, what outputs alias of them (donated state
+  updated in place), temporaries;
+- the kernels it launches (the entry computation's fusions, library calls and Pallas kernels) by kind, read
+  off the step's named scopes (`kv_write`, `attention`, `lm_head`, `sampling`, ...) as step_profile.py does;
+  control flow (`lax.cond`, loops), whose branches run as kernels of their own;
+- whether every donated K/V array is aliased, and every copy or transpose of at least `--min-mb` MB: for
+  carried state (the K/V cache, the penalty state, held logits) a copy means the buffer is copied every step
+  instead of updated in place.
+
+Set-up, once (about 580 MB; no GPU needed): the CUDA plugin of the installed jaxlib's version and NVIDIA's
+compiler tools, into a folder of their own so that the CPU venv is left as it is:
+
+    v=$(python -c "import jaxlib; print(jaxlib.__version__)")
+    pip install --no-deps --target /tmp/cuda-plugin "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v" \
+        nvidia-cuda-nvcc-cu12 nvidia-cuda-runtime-cu12
+    PYTHONPATH=/tmp/cuda-plugin python benchmarks/gpu/compiled_step.py --gpu h200 --buckets 1 256 2048
+
+Without a GPU, XLA skips autotuning (GEMM tilings, CUB sort scratch sizes) and picks defaults, so kernel
+choices can differ in detail from a compilation on the device; buffer assignment, fusion and copies do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # the plugin compiles; it must not look for a device
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # (no cuDNN or driver to check on this host)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: step_profile's HLO reading
+from step_profile import op_kinds  # noqa: E402
+
+from jserve.attention import KVPages, resolve_attention_backend  # noqa: E402
+from jserve.engine.config import EngineConfig, SchedulePolicy  # noqa: E402
+from jserve.engine.penalties import init_penalty_state  # noqa: E402
+from jserve.engine.runner import ModelRunner  # noqa: E402
+from jserve.engine.sampler import full_bitmask  # noqa: E402
+from jserve.engine.step import init_sampled  # noqa: E402
+from jserve.engine.step_packing import StepPacking  # noqa: E402
+from jserve.loader import load_model  # noqa: E402
+from jserve.loader.random_weights import MODEL_SHAPES  # noqa: E402
+from jserve.loader.weights import abstract_model  # noqa: E402
+
+# The GPUs' descriptions as XLA's GpuTargetConfig reads them (data-sheet figures; SXM parts).
+GPUS = {
+    "h100": dict(name="NVIDIA H100 80GB HBM3", memory=80 << 30, bandwidth=3.35e12, clock=1.98),
+    "h200": dict(name="NVIDIA H200", memory=141 << 30, bandwidth=4.8e12, clock=1.98),
+}
+# Instructions of the entry computation that launch nothing: they name, split or join buffers.
+NO_LAUNCH = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant", "after-all", "partition-id"}
+CONTROL_FLOW = {"conditional", "while", "call"}
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
+               "u64": 8, "f64": 8}  # fmt: skip
+
+
+def target_config(gpu: str) -> str:
+    """An H100's or H200's GpuTargetConfig (text proto): sm_90, 132 SMs."""
+    spec = GPUS[gpu]
+    return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(spec["bandwidth"])} l2_cache_size: 52428800 clock_rate_ghz: {spec["clock"]}
+  device_memory_size: {spec["memory"]} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 8 }}
+device_description_str: "{spec["name"]}"
+"""
+
+
+@dataclass
+class Report:
+    bucket: int
+    compile_s: float
+    argument_gib: float
+    aliased_gib: float
+    temp_mib: float
+    launches: dict[str, int]  # kind: kernels the entry computation launches
+    control_flow: dict[str, int]  # opcode: count (their branches' kernels are not in `launches`)
+    kv_aliased: bool  # every donated K/V array is updated in place
+    # (op, MB, shape, where from: its op name, or the carried state of its shape)
+    big_copies: list[tuple[str, float, str, str]] = field(default_factory=list)
+
+
+def shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
+        count = 1
+        for dim in filter(None, dims.split(",")):
+            count *= int(dim)
+        total += count * DTYPE_BYTES.get(dtype, 0)
+    return total
+
+
+def entry_instructions(hlo: str) -> list[tuple[str, str, str, str]]:
+    """(name, result shape, opcode, the rest) of each instruction of the entry computation."""
+    body = hlo[hlo.index("\nENTRY") :].split("\n")[1:]
+    out = []
+    for line in body:
+        match = re.match(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$", line)
+        if match:
+            out.append(match.groups())
+    return out
+
+
+def aliased_parameters(hlo: str) -> set[int]:
+    """The entry parameters an output aliases (donated buffers XLA writes in place)."""
+    header = hlo.split("\n", 1)[0]
+    alias = re.search(r"input_output_alias=\{(.*?)\}, entry_computation_layout", header)
+    return {int(p) for p in re.findall(r":\s*\((\d+),", alias.group(1))} if alias else set()
+
+
+def parameter_names(hlo: str) -> dict[str, str]:
+    """Entry parameters by result shape (`pred[256,128256]` -> `penalty_state_prompt_mask`): what a copy of
+    that shape copies, since the copies XLA inserts carry no op name of their own."""
+    signature = re.search(r"\nENTRY %\S+ \((.*?)\) ->", hlo).group(1)
+    names: dict[str, str] = {}
+    for name, shape in re.findall(r"(\w+?)(?:\.\d+)?: ([a-z]+\d*\[[\d,]*\])", signature):
+        names.setdefault(shape, name)
+    return names
+
+
+def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int], min_mb: float) -> Report:
+    kinds, parameters = op_kinds(hlo), parameter_names(hlo)
+    launches: collections.Counter = collections.Counter()
+    control: collections.Counter = collections.Counter()
+    copies = []
+    for name, shape, opcode, rest in entry_instructions(hlo):
+        if opcode in NO_LAUNCH:
+            continue
+        if opcode in CONTROL_FLOW:
+            control[opcode] += 1
+            continue
+        kind = kinds[name].kind if name in kinds else "other"
+        launches[kind] += 1
+        is_copy = opcode in ("copy", "transpose", "copy-start") or re.match(r"(loop_)?(copy|transpose)", name)
+        if is_copy and (megabytes := shape_bytes(shape) / 1e6) >= min_mb:
+            op_name = (re.search(r'op_name="([^"]*)"', rest) or [None, ""])[1]
+            origin = op_name or parameters.get(shape.split("{")[0], "")
+            copies.append((name, round(megabytes, 1), shape, origin))
+    return Report(
+        bucket=bucket,
+        compile_s=round(compile_s, 1),
+        argument_gib=round(memory.argument_size_in_bytes / 2**30, 2),
+        aliased_gib=round(memory.alias_size_in_bytes / 2**30, 2),
+        temp_mib=round(memory.temp_size_in_bytes / 2**20, 1),
+        launches=dict(launches.most_common()),
+        control_flow=dict(control),
+        kv_aliased=kv_params <= aliased_parameters(hlo),
+        big_copies=sorted(copies, key=lambda c: -c[1]),
+    )
+
+
+def build_runner(args) -> ModelRunner:
+    """A runner of a tiny model with the engine settings of the GPU run: its batch preparation and jitted step
+    are what the 8B step is lowered from (its own weights and cache are never used)."""
+    model = load_model("random:smollm2-135m", progress_bars=False)
+    config = EngineConfig(
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=8, seed=0,
+        enable_prefix_caching=True, schedule_policy=SchedulePolicy.FCFS, attention_backend=args.attention,
+        async_scheduling=True, kv_cache_dtype="bfloat16",
+    )  # fmt: skip
+    return ModelRunner(model, config, frozenset({0}))
+
+
+def compile_buckets(args) -> list[tuple[Report, str]]:
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(args.gpu), topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("x",))
+    on_gpu = NamedSharding(mesh, PartitionSpec())
+
+    def abstract(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_gpu), tree)
+
+    runner = build_runner(args)
+    config = MODEL_SHAPES[args.shape]
+    dtype = jnp.bfloat16
+    graphdef, params_tree = abstract_model(config, dtype, "none")
+    params, params_def = jax.tree_util.tree_flatten(params_tree)
+    page_bytes = args.page_size * config.num_kv_heads * config.head_dim * 2 * 2 * config.num_layers  # K and V
+    num_pages = int(args.kv_cache_gib * 2**30) // page_bytes
+    pages = jax.ShapeDtypeStruct((config.num_layers * num_pages, args.page_size, config.num_kv_heads,
+                                  config.head_dim), dtype, sharding=on_gpu)  # fmt: skip
+    kv_cache = KVPages(pages, pages, config.num_layers)
+    attention = resolve_attention_backend(args.attention, platform="gpu")
+    vocab, rows = config.vocab_size, runner.sampled.token_ids.shape[0]
+    penalties = abstract(jax.eval_shape(partial(init_penalty_state, args.max_num_seqs, vocab)))
+    sampled = abstract(jax.eval_shape(partial(init_sampled, rows, vocab)))
+    kv_params = {len(params), len(params) + 1}  # the entry parameters after the weights: K, then V
+    results = []
+    for bucket in args.buckets:
+        step = runner.prepare([], bucket)
+        bitmask = full_bitmask(step.sampling.token_bitmask.shape[0], vocab)  # the 8B vocabulary's
+        step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask))
+        packing = StepPacking.of(step)
+        call = (graphdef, attention, params_def, None, packing, abstract(params), [], None, kv_cache, (), penalties,
+                sampled, abstract(packing.pack(step)))  # fmt: skip
+        start = time.perf_counter()
+        compiled = runner.step_fn.trace(*call).lower().compile()
+        hlo = compiled.as_text()
+        report = inspect(hlo, bucket, time.perf_counter() - start, compiled.memory_analysis(), kv_params, args.min_mb)
+        results.append((report, hlo))
+        print_report(report, config.num_layers)
+    return results
+
+
+def print_report(r: Report, num_layers: int) -> None:
+    total = sum(r.launches.values())
+    print(f"\n== bucket {r.bucket}: compiled in {r.compile_s} s; arguments {r.argument_gib} GiB, "
+          f"{r.aliased_gib} GiB of them updated in place, temporaries {r.temp_mib} MiB")  # fmt: skip
+    print(f"   K/V cache {'aliased (written in place)' if r.kv_aliased else 'NOT aliased: copied every step'}")
+    print(f"   {total} kernel launches ({total / num_layers:.1f} per layer): "
+          + ", ".join(f"{kind} {n}" for kind, n in r.launches.items()))  # fmt: skip
+    if r.control_flow:
+        print("   control flow (branches launch their own kernels): "
+              + ", ".join(f"{op} {n}" for op, n in r.control_flow.items()))  # fmt: skip
+    for name, megabytes, shape, origin in r.big_copies:
+        print(f"   copy {name}: {megabytes} MB {shape}{'  (' + origin + ')' if origin else ''}")
+    if not r.big_copies:
+        print("   no copy or transpose of that size")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", choices=GPUS, default="h200")
+    parser.add_argument("--shape", choices=MODEL_SHAPES, default="llama3-8b")
+    parser.add_argument("--buckets", type=int, nargs="+", default=[1, 256, 2048], help="step buckets (tokens)")
+    parser.add_argument("--attention", default="auto", choices=["auto", "pallas", "pallas-mosaic-gpu", "reference"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=1280)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--kv-cache-gib", type=float, default=48.0)
+    parser.add_argument("--min-mb", type=float, default=1.0, help="report copies and transposes from this size")
+    parser.add_argument("--json", default=None, help="also write the reports here")
+    parser.add_argument("--hlo-dir", default=None, help="also write each bucket's optimized HLO here")
+    args = parser.parse_args()
+    if jax.default_backend() != "cpu":
+        sys.exit("run this on a host without a GPU (it compiles for one it describes)")
+    print(f"{args.shape} in bfloat16 on an {GPUS[args.gpu]['name']} (compiled on this host), max_num_seqs "
+          f"{args.max_num_seqs}, {args.max_num_batched_tokens} tokens a step, attention {args.attention}")  # fmt: skip
+    results = compile_buckets(args)
+    if args.hlo_dir:
+        Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+        for report, hlo in results:
+            (Path(args.hlo_dir) / f"step-{report.bucket}.hlo").write_text(hlo)
+    if args.json:
+        Path(args.json).write_text(json.dumps([vars(report) for report, _ in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()
