@@ -35,10 +35,10 @@ def sequence_spans(context_lens, query_start_loc) -> tuple[jax.Array, jax.Array,
     return starts, q_lens, context_lens.astype(jnp.int32) - q_lens
 
 
-def decode_splits(num_seqs: int, kv_heads: int, num_cores: int) -> int:
-    """Splits of each decode's context for a step of num_seqs sequence slots: enough for PROGRAMS_PER_CORE
+def decode_splits(num_seqs: int, kv_heads: int, num_cores: int, programs_per_core: int = PROGRAMS_PER_CORE) -> int:
+    """Splits of each decode's context for a step of num_seqs sequence slots: enough for `programs_per_core`
     decode programs (slots x KV heads x splits) per SM, and one when the slots alone give that many."""
-    return max(1, min(MAX_KV_SPLITS, pl.cdiv(PROGRAMS_PER_CORE * num_cores, num_seqs * kv_heads)))
+    return max(1, min(MAX_KV_SPLITS, pl.cdiv(programs_per_core * num_cores, num_seqs * kv_heads)))
 
 
 def split_tables(page_tables, pages_per_block: int, kv_splits: int) -> tuple[jax.Array, int, int]:

@@ -18,6 +18,7 @@ from pallas_kernels import gpu, mosaic_gpu
 from attention_cases import BATCHES, assert_matches_reference, make_case
 from test_engine import prompts, tiny_llm, token_ids
 from test_pallas_gpu import CASES as TRITON_CASES
+from test_pallas_gpu import SMALL_BLOCKS
 from test_pallas_mosaic_gpu import CASES as MOSAIC_CASES
 from tiny_models import VARIANTS, assert_engine_idle, jserve_prompt_logits, reference_greedy, save_tiny_checkpoint
 
@@ -39,7 +40,7 @@ def _run_kernel(kernel, params: dict, **blocks):
         assert_matches_reference(out, case, "bfloat16" if dtype == "float16" else dtype)
 
 
-@pytest.mark.parametrize("blocks", [{}, dict(pages_per_block=2, kv_splits=3)], ids=["default-blocks", "small-blocks"])
+@pytest.mark.parametrize("blocks", [{}, SMALL_BLOCKS], ids=["default-blocks", "small-blocks"])
 @pytest.mark.parametrize("name", TRITON_CASES)
 def test_triton_kernel_matches_reference(name, blocks):
     _run_kernel(gpu.ragged_paged_attention, TRITON_CASES[name], **blocks)

@@ -4,11 +4,16 @@ Interpret mode runs the kernel's program body on CPU; lowering for CUDA (which n
 every operation it uses has a Triton lowering, for the shapes the engine uses.
 """
 
+import dataclasses
+import importlib.util
+import json
+import re
 from functools import partial
+from pathlib import Path
 
 import pytest
 
-from pallas_kernels.gpu import ragged_paged_attention
+from pallas_kernels.gpu import DecodeLaunch, PrefillLaunch, launch, ragged_paged_attention
 
 from accelerators import lowered_kernel_text
 from attention_cases import BATCHES, LONE_DECODE, assert_matches_reference, make_case
@@ -30,21 +35,23 @@ CASES = {
     "mixed-window-long": dict(batch="mixed", page_size=16, head_dim=64, heads=4, kv_heads=1, sliding_window=40),
     "mixed-softcap": dict(batch="mixed", page_size=16, head_dim=64, heads=8, kv_heads=2, soft_cap=5.0),
 }
+BENCHMARK = Path(__file__).parent.parent / "benchmarks" / "attention_kernels.py"
+# Small K/V blocks and several splits, so decode rows cross blocks and splits.
+SMALL_BLOCKS = dict(decode=DecodeLaunch(pages_per_block=2), prefill=PrefillLaunch(pages_per_block=2), kv_splits=3)
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_kernel_matches_reference_in_interpret_mode(name):
     params = dict(CASES[name])
     case = make_case(BATCHES[params.pop("batch")], **params)
-    # Small K/V blocks and several splits, so decode rows cross blocks and splits.
     out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, sliding_window=case.sliding_window,
-                                 soft_cap=case.soft_cap, interpret=True, pages_per_block=2, kv_splits=3)  # fmt: skip
+                                 soft_cap=case.soft_cap, interpret=True, **SMALL_BLOCKS)  # fmt: skip
     assert_matches_reference(out, case, params.get("dtype", "float32"))
 
 
 def test_lone_decode_step_in_interpret_mode():
     case = make_case(LONE_DECODE, pad=False)
-    out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True, pages_per_block=2, kv_splits=3)
+    out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True, **SMALL_BLOCKS)
     assert_matches_reference(out, case, "float32")
 
 
@@ -63,3 +70,58 @@ def test_kernel_lowers_to_triton(heads, kv_heads, head_dim, dtype, window, soft_
     kernel = partial(ragged_paged_attention, scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
     text = lowered_kernel_text(kernel, heads, kv_heads, head_dim, dtype, page_size=16, max_pages=128)
     assert text.count("__gpu$xla.gpu.triton") == 2  # the prefill and the split-KV decode kernel
+
+
+def launches_in(text: str) -> list[tuple[int, int, int]]:
+    """(num_warps, num_stages, grid_z) of each Triton call of a lowered kernel: prefill first, then decode."""
+    configs = re.findall(r"grid_z = (\d+) : i32.*?num_stages = (\d+) : i32, num_warps = (\d+) : i32", text)
+    return [(int(warps), int(stages), int(grid_z)) for grid_z, stages, warps in configs]
+
+
+def test_launch_settings_are_the_ones_measured_for_the_gpu_and_shape(monkeypatch):
+    """A tuned.json entry for (GPU, dtype, head_dim, group, page_size) sets both programs' launches there, and
+    only there: another GPU keeps the defaults (4 warps, 2 stages; 64 sequences of 8 KV heads fill an H100's
+    132 SMs twice over without splitting)."""
+    shape = launch.AttentionShape("NVIDIA H200", "bfloat16", 128, 4, 16)
+    measured = (DecodeLaunch(num_warps=8, num_stages=3, programs_per_core=8), PrefillLaunch(num_warps=2, num_stages=1))
+    monkeypatch.setattr(launch, "_tuned", lambda: {shape: measured})
+
+    def lowered(device_kind: str) -> str:
+        kernel = partial(ragged_paged_attention, scale=0.1, device_kind=device_kind)
+        return lowered_kernel_text(kernel, 32, 8, 128, "bfloat16", page_size=16, max_pages=128)
+
+    # decode splits: 8 programs per SM x 132 SMs over 64 sequences x 8 KV heads = 3 (rounded up)
+    assert launches_in(lowered("NVIDIA H200")) == [(2, 1, 1), (8, 3, 3)]
+    assert launches_in(lowered("NVIDIA H100 80GB HBM3")) == [(4, 2, 1), (4, 2, 1)]
+
+
+def test_tuned_entries_are_read_back(tmp_path, monkeypatch):
+    shape = launch.AttentionShape("NVIDIA H100 80GB HBM3", "bfloat16", 128, 4, 16)
+    decode, prefill = DecodeLaunch(pages_per_block=8, programs_per_core=4), PrefillLaunch(block_q=32)
+    file = tmp_path / "tuned.json"
+    file.write_text(json.dumps([launch.tuned_entry(shape, decode, prefill, decode_us=300.0)]))
+    monkeypatch.setattr(launch, "TUNED_FILE", file)
+    launch._tuned.cache_clear()
+    try:
+        assert launch.tuned_launches(shape) == (decode, prefill)
+        other = dataclasses.replace(shape, page_size=32)
+        assert launch.tuned_launches(other) == (DecodeLaunch(), PrefillLaunch())
+    finally:
+        launch._tuned.cache_clear()
+
+
+def test_the_launch_search_keeps_the_fastest_setting_one_field_at_a_time():
+    """benchmarks/attention_kernels.py --tune: coordinate search over a cost with one best setting per field."""
+    spec = importlib.util.spec_from_file_location("attention_kernels", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    best = dict(pages_per_block=8, num_warps=8, num_stages=3, programs_per_core=1)
+
+    def cost(setting: DecodeLaunch) -> float:
+        fields = dataclasses.asdict(setting)
+        return float("inf") if setting.num_warps == 2 else sum(abs(fields[k] - v) for k, v in best.items())
+
+    choices = {"pages_per_block": (1, 2, 4, 8, 16), **module.DECODE_CHOICES}
+    found, tried = module.coordinate_search(DecodeLaunch(pages_per_block=4), choices, cost, deadline=float("inf"))
+    assert dataclasses.asdict(found) == best and tried[found] == 0
+    assert len(tried) < 5 * 3 * 4 * 4  # not the whole grid

@@ -50,6 +50,8 @@ def main() -> None:
     parts.append(section("Where a decode step's device time goes (step_profile.py)", profile))
     parts.append(section("Decode and prefill against the roofline (roofline.py)", tail(out / "roofline.log", 12)))
     parts.append(section("Attention kernels (attention_kernels.py)", tail(out / "kernels.log", 6)))
+    tuned = [line for line in tail(out / "tune.log", 400) if line.startswith(("decode:", "prefill:", "device:"))]
+    parts.append(section("Triton launch settings searched (attention_kernels.py --tune; tuned.json)", tuned))
     parts.append(section("Serving (jserve serve, serve.py)", serving(out) or tail(out / "serve.log", 15)))
     parts.append(section("Colab demo notebook", tail(out / "notebook.log", 8)))
     parts.append(section("New weights (weight_update.py)", tail(out / "weights.log", 14)))

@@ -59,6 +59,7 @@ class AttentionBackend:
     interpret: bool = False  # run the Pallas kernel in interpret mode (on CPU)
     mesh: Mesh | None = None  # tensor parallelism: each device attends its own heads (shard_map)
     num_cores: int | None = None  # the GPU's SMs, which the GPU kernels size decode splits for (None: an H100's)
+    device_kind: str | None = None  # the GPU's name, which the Triton kernel's measured launch settings are for
 
     def __call__(
         self,
@@ -103,6 +104,8 @@ def _attend_pages(q, pages: KVPages, meta: AttentionMetadata, backend, scale, sl
         attend = partial(_pallas_kernels(kernel).ragged_paged_attention, interpret=backend.interpret)
         if backend.num_cores is not None:
             attend = partial(attend, num_cores=backend.num_cores)
+        if kernel == Kernel.PALLAS_GPU:
+            attend = partial(attend, device_kind=backend.device_kind)
     return attend(q, pages.k, pages.v, meta.context_lens, meta.page_tables, meta.query_start_loc,
                   scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
 
@@ -171,14 +174,16 @@ def _backend_for(name: str, platform: str | None) -> AttentionBackend:
     if name == "pallas-mosaic-gpu":
         if platform == "tpu":
             raise ValueError("attention_backend 'pallas-mosaic-gpu' runs on NVIDIA GPUs (and interpreted on CPU)")
-        return AttentionBackend(Kernel.PALLAS_MOSAIC_GPU, interpret=platform == "cpu", num_cores=_gpu_cores(platform))
+        return AttentionBackend(Kernel.PALLAS_MOSAIC_GPU, interpret=platform == "cpu", **_this_gpu(platform))
     if platform == "tpu":
         return AttentionBackend(Kernel.PALLAS_TPU)
-    return AttentionBackend(Kernel.PALLAS_GPU, interpret=platform == "cpu", num_cores=_gpu_cores(platform))
+    return AttentionBackend(Kernel.PALLAS_GPU, interpret=platform == "cpu", **_this_gpu(platform))
 
 
-def _gpu_cores(platform: str) -> int | None:
-    """The SMs of this host's GPU when the backend is for it; None when lowering for a GPU it does not have."""
+def _this_gpu(platform: str) -> dict:
+    """The SMs and name of this host's GPU when the backend is for it; none when lowering for a GPU it does not
+    have."""
     if platform != "gpu" or jax.default_backend() != "gpu":
-        return None
-    return getattr(jax.devices()[0], "core_count", None)
+        return {}
+    device = jax.devices()[0]
+    return dict(num_cores=getattr(device, "core_count", None), device_kind=device.device_kind)

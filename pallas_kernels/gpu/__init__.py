@@ -1,5 +1,6 @@
 """Pallas kernels for NVIDIA GPUs (Triton lowering)."""
 
+from pallas_kernels.gpu.launch import DecodeLaunch, PrefillLaunch
 from pallas_kernels.gpu.ragged_paged_attention import SHAPE_REQUIREMENT, ragged_paged_attention, supports
 
-__all__ = ["SHAPE_REQUIREMENT", "ragged_paged_attention", "supports"]
+__all__ = ["SHAPE_REQUIREMENT", "DecodeLaunch", "PrefillLaunch", "ragged_paged_attention", "supports"]

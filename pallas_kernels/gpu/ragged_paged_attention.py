@@ -11,12 +11,14 @@ each K/V tile: the query tile is [row tokens x query heads, head_dim].
 - Prefill rows hold up to `block_q` tokens and walk their context in one program, skipping K/V blocks
   past the causal limit of their last token or before the sliding window of their first.
 
-Both walk the context `pages_per_block` pages at a time with an online softmax in float32.
+Both walk the context `pages_per_block` pages at a time with an online softmax in float32. How each is
+launched (block sizes, warps, pipelining stages, splits per SM) comes from `launch.py`: measured per GPU where
+a measurement exists.
 
 Why Triton: it is the one Pallas GPU backend that covers every NVIDIA generation users serve on
-(T4 sm75, A100 sm80, L4 sm89, H100/H200 sm90); Mosaic GPU targets sm90+ only. JAX deprecates Triton
-lowering from 0.11 on, so jserve pins jax below that; a Mosaic GPU kernel for Hopper would join it
-behind the same contract.
+(T4 sm75, A100 sm80, L4 sm89, H100/H200 sm90); Mosaic GPU targets sm90+ only (`pallas_kernels.mosaic_gpu`,
+behind the same contract). JAX deprecates Triton lowering from 0.11 on; it still lowers and runs there (an
+H200 ran this kernel under jax 0.11.2).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.gpu.launch import AttentionShape, DecodeLaunch, PrefillLaunch, tuned_launches
 from pallas_kernels.split_rows import (
     DEFAULT_NUM_CORES,
     MASK_VALUE,
@@ -68,51 +71,58 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,
-    block_q: int = 16,
-    pages_per_block: int | None = None,
+    decode: DecodeLaunch | None = None,
+    prefill: PrefillLaunch | None = None,
     kv_splits: int | None = None,
     num_cores: int = DEFAULT_NUM_CORES,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    device_kind: str | None = None,
 ) -> jax.Array:
     """q [T, heads, head_dim] over pages [P, page_size, kv_heads, head_dim] -> [T, heads, head_dim].
 
-    kv_splits: the splits of a decode's context (default: from the step's sequence slots and the GPU's
-    `num_cores` SMs, `split_rows.decode_splits`).
+    decode, prefill: how each program is launched (default: what launch.py holds measured for `device_kind`
+    and this shape, else its defaults). kv_splits: the splits of a decode's context (default: from the step's
+    sequence slots and the GPU's `num_cores` SMs, `split_rows.decode_splits`).
     """
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1:3]
     if not supports(page_size=page_size, head_dim=head_dim):
         raise ValueError(f"the Triton attention kernel needs {SHAPE_REQUIREMENT}, got {page_size=}, {head_dim=}")
-    if pages_per_block is None:
-        pages_per_block = default_pages_per_block(page_size)
-    # No longer than the page tables, but at least MIN_DOT keys (a power of two: page_size is one).
-    pages_per_block = max(min(pages_per_block, pl.next_power_of_2(page_tables.shape[1])), pl.cdiv(MIN_DOT, page_size))
-    if kv_splits is None:
-        kv_splits = decode_splits(page_tables.shape[0], num_kv_heads, num_cores)
-    tables, kv_splits, _ = split_tables(page_tables, pages_per_block, kv_splits)
+    if decode is None or prefill is None:
+        shape = AttentionShape(device_kind or "", jnp.dtype(k_pages.dtype).name, head_dim, num_heads // num_kv_heads,
+                               page_size)  # fmt: skip
+        tuned_decode, tuned_prefill = tuned_launches(shape)
+        decode, prefill = decode or tuned_decode, prefill or tuned_prefill
     starts, q_lens, first_pos = sequence_spans(context_lens, query_start_loc)
-    kernel_args = dict(
-        scale=scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
-        page_size=page_size,
-        pages_per_block=pages_per_block,
-        interpret=interpret,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    kernel_args = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, page_size=page_size,
+                       interpret=interpret)  # fmt: skip
 
     # Prefill rows write straight into the (zeroed) output; decode rows come back per split.
     out = jnp.zeros_like(q)
     if num_tokens > 1:  # a one-token step holds no prefill chunk
-        rows = prefill_rows(starts, q_lens, first_pos, num_tokens, block_q)
-        out = _attend_rows(q, k_pages, v_pages, tables, rows, out, block_q, 1, **kernel_args)
+        pages_per_block = _pages_per_block(prefill.pages_per_block, page_size, page_tables)
+        tables, _, _ = split_tables(page_tables, pages_per_block, 1)
+        rows = prefill_rows(starts, q_lens, first_pos, num_tokens, prefill.block_q)
+        out = _attend_rows(q, k_pages, v_pages, tables, rows, out, prefill.block_q, 1, pages_per_block=pages_per_block,
+                           num_warps=prefill.num_warps, num_stages=prefill.num_stages, **kernel_args)  # fmt: skip
 
+    if kv_splits is None:
+        kv_splits = decode_splits(page_tables.shape[0], num_kv_heads, num_cores, decode.programs_per_core)
+    pages_per_block = _pages_per_block(decode.pages_per_block, page_size, page_tables)
+    tables, kv_splits, _ = split_tables(page_tables, pages_per_block, kv_splits)
     rows = decode_rows(starts, q_lens, first_pos)
-    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, rows, None, 1, kv_splits, **kernel_args)
+    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, rows, None, 1, kv_splits,
+                                    pages_per_block=pages_per_block, num_warps=decode.num_warps,
+                                    num_stages=decode.num_stages, **kernel_args)  # fmt: skip
     decode_out = merge_splits(partial_out, lse, axis=1).astype(q.dtype)  # [S, heads, head_dim]
     return out.at[jnp.where(q_lens == 1, starts, num_tokens)].set(decode_out, mode="drop")
+
+
+def _pages_per_block(pages_per_block: int | None, page_size: int, page_tables) -> int:
+    """The pages a K/V block loads: as asked (default 64 keys), no more than the page tables hold, but at
+    least MIN_DOT keys (a power of two: page_size is one)."""
+    if pages_per_block is None:
+        pages_per_block = default_pages_per_block(page_size)
+    return max(min(pages_per_block, pl.next_power_of_2(page_tables.shape[1])), pl.cdiv(MIN_DOT, page_size))
 
 
 def _attend_rows(
