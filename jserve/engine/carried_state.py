@@ -4,7 +4,7 @@ to write.
 A `lax.cond` that returns either the updated state or the state untouched lets XLA:CPU skip the update's work
 at run time, but XLA:GPU copies a donated buffer that leaves a conditional, every step, whichever branch ran:
 its output may be the parameter's buffer or another, so the compiler copies it into the aliased output
-(`benchmarks/gpu/compiled_step.py` found 164–295 MB of penalty state and held logits copied per step of an
+(`benchmarks/compiled_step.py` found 164–295 MB of penalty state and held logits copied per step of an
 8B model). On a GPU the update therefore runs unconditionally, in a form that leaves the state as it is when there
 is nothing to write: a scatter whose masked-out rows fall outside the array and are dropped, which costs a
 GPU a few microseconds.

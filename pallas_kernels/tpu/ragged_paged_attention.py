@@ -93,7 +93,7 @@ class _Refs:
     first_pos: Any  # SMEM [R]
     num_queries: Any  # SMEM [R]
     first_slot: Any  # SMEM [R]
-    tables_hbm: Any  # HBM [S * max_pages]: the page tables
+    tables_hbm: Any  # HBM [S * table_stride]: the page tables, each padded to whole SMEM tiles
     q: Any  # VMEM [kv_heads, M, head_dim]: this row's queries, M = queries_per_row * group
     k_hbm: Any  # HBM [num_pages, page_size, kv_heads, head_dim]
     v_hbm: Any
@@ -207,9 +207,11 @@ class _BlockCopy:
 
 
 def _table_copy(refs: _Refs, cfg: _Config, row: jax.Array) -> Any:
-    """The DMA of a row's sequence's page table from HBM into the row's SMEM slot."""
-    table = refs.tables_hbm.at[pl.ds(refs.seq[row] * cfg.max_pages, cfg.max_pages)]
-    slot = refs.tables.at[pl.ds((row % 2) * cfg.table_stride, cfg.max_pages)]
+    """The DMA of a row's sequence's page table from HBM into the row's SMEM slot. Mosaic copies 1-D SMEM in
+    whole tiles, so the tables come padded to whole tiles (table_stride) and each copy moves one padded table."""
+    stride = cfg.table_stride
+    table = refs.tables_hbm.at[pl.ds(pl.multiple_of(refs.seq[row] * stride, _SMEM_TILE), stride)]
+    slot = refs.tables.at[pl.ds(pl.multiple_of((row % 2) * stride, _SMEM_TILE), stride)]
     return pltpu.make_async_copy(table, slot, refs.table_sem)
 
 
@@ -358,7 +360,8 @@ def _attend_rows(
         rows.first_pos,
         rows.num_queries,
         rows.first_slot,
-        page_tables.reshape(-1),  # 1-D, as the SMEM slots its rows are copied into
+        # 1-D, as the SMEM slots its rows are copied into, each table padded to whole SMEM tiles
+        jnp.pad(page_tables, ((0, 0), (0, cfg.table_stride - cfg.max_pages))).reshape(-1),
         q_rows.reshape(rows_shape),
         k_pages,
         v_pages,

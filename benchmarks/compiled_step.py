@@ -1,8 +1,10 @@
-"""The engine's step compiled for an NVIDIA GPU on this CPU host: what a GPU would run, read without one.
+"""The engine's step compiled for a GPU or TPU on this CPU host: what the accelerator would run, read without one.
 
-XLA compiles for a GPU it does not have from a description of it (a target config) through JAX's CUDA plugin.
-This builds the runner's own jitted step for random weights of an 8B shape (abstract: nothing is allocated)
-and compiles each step bucket for an H100 or H200, then reports, per bucket:
+XLA compiles for an accelerator it does not have: for a GPU from a description of it (a target config)
+through JAX's CUDA plugin, for a TPU from a topology through libtpu. This builds the runner's own jitted step
+for random weights of an 8B shape (abstract: nothing is allocated) and compiles each step bucket for the
+target, Pallas kernels included (Triton for GPUs, Mosaic for TPUs: a kernel Mosaic cannot compile fails here
+as it would on the chip), then reports, per bucket:
 
 - compile seconds, and the executable's memory: arguments, what outputs alias of them (donated state
   updated in place), temporaries;
@@ -11,17 +13,17 @@ and compiles each step bucket for an H100 or H200, then reports, per bucket:
   control flow (`lax.cond`, loops), whose branches run as kernels of their own;
 - whether every donated K/V array is aliased, and every copy or transpose of at least `--min-mb` MB: for
   carried state (the K/V cache, the penalty state, held logits) a copy means the buffer is copied every step
-  instead of updated in place.
+  instead of updated in place. (A TPU's asynchronous copies between HBM and VMEM, its compiler's prefetches,
+  are not counted.)
 
-Set-up, once (about 580 MB; no GPU needed): the CUDA plugin of the installed jaxlib's version and NVIDIA's
-compiler tools, into a folder of their own so that the CPU venv is left as it is:
+The compiler plugins (the CUDA plugin with NVIDIA's ptxas, about 580 MB; libtpu, about 680 MB) are
+installed on first use, for this jaxlib, into jserve's cache (`$JSERVE_CACHE/compile-plugins`, with pip, from
+the package index), not into the venv, where they would wake at every `import jax` (no accelerator needed):
 
-    v=$(python -c "import jaxlib; print(jaxlib.__version__)")
-    pip install --no-deps --target /tmp/cuda-plugin "jax-cuda12-plugin==$v" "jax-cuda12-pjrt==$v" \
-        nvidia-cuda-nvcc-cu12 nvidia-cuda-runtime-cu12
-    PYTHONPATH=/tmp/cuda-plugin python benchmarks/gpu/compiled_step.py --gpu h200 --buckets 1 256 2048
+    python benchmarks/compiled_step.py --target h200 --buckets 1 256 2048
+    python benchmarks/compiled_step.py --target tpu-v6e --buckets 1 256 2048
 
-Without a GPU, XLA skips autotuning (GEMM tilings, CUB sort scratch sizes) and picks defaults, so kernel
+Without the device, XLA skips autotuning (GEMM tilings, sort scratch sizes) and picks defaults, so kernel
 choices can differ in detail from a compilation on the device; buffer assignment, fusion and copies do not.
 """
 
@@ -29,24 +31,29 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.metadata
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # the plugin compiles; it must not look for a device
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")  # the CUDA plugin compiles; it must not look for a device
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # (no cuDNN or driver to check on this host)
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu: no TPU VM's metadata server to ask
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import jaxlib  # noqa: E402
+import numpy as np  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/: step_profile's HLO reading
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (when imported by path, as the tests do)
 from step_profile import op_kinds  # noqa: E402
 
 from jserve.attention import KVPages, resolve_attention_backend  # noqa: E402
@@ -59,11 +66,16 @@ from jserve.engine.step_packing import StepPacking  # noqa: E402
 from jserve.loader import load_model  # noqa: E402
 from jserve.loader.random_weights import MODEL_SHAPES  # noqa: E402
 from jserve.loader.weights import abstract_model  # noqa: E402
+from jserve.paths import cache_dir  # noqa: E402
 
-# The GPUs' descriptions as XLA's GpuTargetConfig reads them (data-sheet figures; SXM parts).
-GPUS = {
-    "h100": dict(name="NVIDIA H100 80GB HBM3", memory=80 << 30, bandwidth=3.35e12, clock=1.98),
-    "h200": dict(name="NVIDIA H200", memory=141 << 30, bandwidth=4.8e12, clock=1.98),
+# The GPUs' descriptions as XLA's GpuTargetConfig reads them (data-sheet figures; SXM parts), and TPU
+# topologies as libtpu names them (a 2x2 slice: the step is compiled for its first chip). kv_gib: the K/V
+# cache to compile for (48 GiB is benchmarks/gpu/run.sh's; a TPU chip holds less beside 16 GB of weights).
+TARGETS = {
+    "h100": dict(platform="gpu", name="NVIDIA H100 80GB HBM3", memory=80 << 30, bandwidth=3.35e12, kv_gib=40),
+    "h200": dict(platform="gpu", name="NVIDIA H200", memory=141 << 30, bandwidth=4.8e12, kv_gib=48),
+    "tpu-v6e": dict(platform="tpu", topology="v6e:2x2", kv_gib=8),
+    "tpu-v5p": dict(platform="tpu", topology="v5p:2x2x1", kv_gib=48),
 }
 # Instructions of the entry computation that launch nothing: they name, split or join buffers.
 NO_LAUNCH = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant", "after-all", "partition-id"}
@@ -72,15 +84,14 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "s32"
                "u64": 8, "f64": 8}  # fmt: skip
 
 
-def target_config(gpu: str) -> str:
+def gpu_target_config(spec: dict) -> str:
     """An H100's or H200's GpuTargetConfig (text proto): sm_90, 132 SMs."""
-    spec = GPUS[gpu]
     return f"""
 gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
-  memory_bandwidth: {int(spec["bandwidth"])} l2_cache_size: 52428800 clock_rate_ghz: {spec["clock"]}
+  memory_bandwidth: {int(spec["bandwidth"])} l2_cache_size: 52428800 clock_rate_ghz: 1.98
   device_memory_size: {spec["memory"]} shared_memory_per_block_optin: 232448
   cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536 registers_per_block_limit: 65536
 }}
@@ -89,6 +100,36 @@ dnn_version_info {{ major: 9 minor: 8 }}
 runtime_version {{ major: 12 minor: 8 }}
 device_description_str: "{spec["name"]}"
 """
+
+
+def use_compiler_plugin(platform: str) -> None:
+    """Make the compiler plugin for `platform` importable (installed into the cache on first use). It must be
+    found before JAX first looks for backends (its first `jax.devices()` or compilation)."""
+    version = jaxlib.__version__
+    folder = cache_dir() / "compile-plugins" / f"{platform}-jaxlib-{version}"
+    if not (folder / "installed").exists():
+        if platform == "gpu":
+            packages = [f"jax-cuda12-plugin=={version}", f"jax-cuda12-pjrt=={version}", "nvidia-cuda-nvcc-cu12",
+                        "nvidia-cuda-runtime-cu12"]  # fmt: skip
+        else:  # the libtpu release jax's own `tpu` extra names for this version
+            requirements = importlib.metadata.requires("jax") or []
+            packages = [r.split(";")[0].strip() for r in requirements if r.startswith("libtpu") and '"tpu"' in r]
+        print(f"installing the {platform} compiler plugin for jaxlib {version} into {folder}: {' '.join(packages)}")
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(folder), *packages]
+        done = subprocess.run(pip, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"could not install the {platform} compiler plugin ({' '.join(packages)}): {done.stderr[-800:]}")
+        (folder / "installed").touch()
+    sys.path.insert(0, str(folder))
+
+
+def target_device(target: str):
+    """The (abstract) device of the target the step is compiled for."""
+    spec = TARGETS[target]
+    if spec["platform"] == "gpu":
+        config = gpu_target_config(spec)
+        return topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1").devices[0]
+    return topologies.get_topology_desc(topology_name=spec["topology"], platform="tpu").devices[0]
 
 
 @dataclass
@@ -156,7 +197,9 @@ def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int]
             continue
         kind = kinds[name].kind if name in kinds else "other"
         launches[kind] += 1
-        is_copy = opcode in ("copy", "transpose", "copy-start") or re.match(r"(loop_)?(copy|transpose)", name)
+        is_copy = opcode in ("copy", "transpose") or (
+            opcode == "fusion" and re.match(r"(loop_|input_)?(copy|transpose)", name)
+        )
         if is_copy and (megabytes := shape_bytes(shape) / 1e6) >= min_mb:
             op_name = (re.search(r'op_name="([^"]*)"', rest) or [None, ""])[1]
             origin = op_name or parameters.get(shape.split("{")[0], "")
@@ -187,13 +230,22 @@ def build_runner(args) -> ModelRunner:
     return ModelRunner(model, config, frozenset({0}))
 
 
+def placement(target: str) -> tuple[NamedSharding, AbstractMesh]:
+    """Where arrays of a program compiled for the target live (its one device), and the abstract mesh to lower
+    it in: Pallas reads the chip it lowers for (its generation, its memories) off the abstract mesh in context."""
+    device = target_device(target)
+    platform = TARGETS[target]["platform"]
+    kind = AbstractDevice(device_kind=device.device_kind, num_cores=getattr(device, "core_count", 1), platform=platform)
+    context = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=kind)
+    return NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec()), context
+
+
 def compile_buckets(args) -> list[tuple[Report, str]]:
-    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(args.gpu), topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("x",))
-    on_gpu = NamedSharding(mesh, PartitionSpec())
+    platform = TARGETS[args.target]["platform"]
+    on_device, context = placement(args.target)
 
     def abstract(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_gpu), tree)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device), tree)
 
     runner = build_runner(args)
     config = MODEL_SHAPES[args.shape]
@@ -201,11 +253,11 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
     graphdef, params_tree = abstract_model(config, dtype, "none")
     params, params_def = jax.tree_util.tree_flatten(params_tree)
     page_bytes = args.page_size * config.num_kv_heads * config.head_dim * 2 * 2 * config.num_layers  # K and V
-    num_pages = int(args.kv_cache_gib * 2**30) // page_bytes
+    num_pages = int((args.kv_cache_gib or TARGETS[args.target]["kv_gib"]) * 2**30) // page_bytes
     pages = jax.ShapeDtypeStruct((config.num_layers * num_pages, args.page_size, config.num_kv_heads,
-                                  config.head_dim), dtype, sharding=on_gpu)  # fmt: skip
+                                  config.head_dim), dtype, sharding=on_device)  # fmt: skip
     kv_cache = KVPages(pages, pages, config.num_layers)
-    attention = resolve_attention_backend(args.attention, platform="gpu")
+    attention = resolve_attention_backend(args.attention, platform=platform)
     vocab, rows = config.vocab_size, runner.sampled.token_ids.shape[0]
     penalties = abstract(jax.eval_shape(partial(init_penalty_state, args.max_num_seqs, vocab)))
     sampled = abstract(jax.eval_shape(partial(init_sampled, rows, vocab)))
@@ -219,7 +271,9 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
         call = (graphdef, attention, params_def, None, packing, abstract(params), [], None, kv_cache, (), penalties,
                 sampled, abstract(packing.pack(step)))  # fmt: skip
         start = time.perf_counter()
-        compiled = runner.step_fn.trace(*call).lower().compile()
+        with jax.sharding.use_abstract_mesh(context):
+            lowered = runner.step_fn.trace(*call).lower()
+        compiled = lowered.compile()
         hlo = compiled.as_text()
         report = inspect(hlo, bucket, time.perf_counter() - start, compiled.memory_analysis(), kv_params, args.min_mb)
         results.append((report, hlo))
@@ -243,9 +297,9 @@ def print_report(r: Report, num_layers: int) -> None:
         print("   no copy or transpose of that size")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpu", choices=GPUS, default="h200")
+    parser.add_argument("--target", choices=TARGETS, default="h200")
     parser.add_argument("--shape", choices=MODEL_SHAPES, default="llama3-8b")
     parser.add_argument("--buckets", type=int, nargs="+", default=[1, 256, 2048], help="step buckets (tokens)")
     parser.add_argument("--attention", default="auto", choices=["auto", "pallas", "pallas-mosaic-gpu", "reference"])
@@ -253,15 +307,21 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=1280)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--kv-cache-gib", type=float, default=48.0)
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="default: the target's (TARGETS)")
     parser.add_argument("--min-mb", type=float, default=1.0, help="report copies and transposes from this size")
     parser.add_argument("--json", default=None, help="also write the reports here")
     parser.add_argument("--hlo-dir", default=None, help="also write each bucket's optimized HLO here")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    use_compiler_plugin(TARGETS[args.target]["platform"])
     if jax.default_backend() != "cpu":
-        sys.exit("run this on a host without a GPU (it compiles for one it describes)")
-    print(f"{args.shape} in bfloat16 on an {GPUS[args.gpu]['name']} (compiled on this host), max_num_seqs "
-          f"{args.max_num_seqs}, {args.max_num_batched_tokens} tokens a step, attention {args.attention}")  # fmt: skip
+        sys.exit("run this on a host without an accelerator (it compiles for one it describes)")
+    print(f"{args.shape} in bfloat16 for {target_device(args.target).device_kind} (compiled on this host), "
+          f"max_num_seqs {args.max_num_seqs}, {args.max_num_batched_tokens} tokens a step, "
+          f"attention {args.attention}")  # fmt: skip
     results = compile_buckets(args)
     if args.hlo_dir:
         Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
