@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from pallas_kernels.split_rows import PROGRAMS_PER_CORE
+
 TUNED_FILE = Path(__file__).with_name("tuned.json")
 
 
@@ -23,7 +25,7 @@ class DecodeLaunch:
     pages_per_block: int | None = None  # K/V pages a block loads (None: 64 keys)
     num_warps: int = 4
     num_stages: int = 2  # Triton's software pipelining of the K/V loads
-    programs_per_core: int = 2  # split-KV: decode programs per SM to aim for (split_rows.decode_splits)
+    programs_per_core: int = PROGRAMS_PER_CORE  # split-KV: decode programs per SM to aim for (decode_splits)
 
 
 @dataclass(frozen=True)
