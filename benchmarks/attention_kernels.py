@@ -90,13 +90,22 @@ def time_backend(backend: AttentionBackend, q, new_kv, pages, meta, repeats: int
         return backend(q, new_kv[0], new_kv[1], pages, meta, scale=dim**-0.5)
 
     pages = jax.tree.map(jnp.copy, pages)  # the caller's pages stay valid for the next backend
-    out, pages = layer(q, new_kv, pages, meta)
-    out.block_until_ready()
+
+    def run():
+        nonlocal pages
+        out, pages = layer(q, new_kv, pages, meta)
+        return out
+
+    return median_seconds(run, repeats)
+
+
+def median_seconds(run: Callable[[], jax.Array], repeats: int) -> float:
+    """Median wall seconds of run() with its result waited for, after one untimed call (compilation)."""
+    run().block_until_ready()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        out, pages = layer(q, new_kv, pages, meta)
-        out.block_until_ready()
+        run().block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -141,16 +150,10 @@ def tune(args, decode, prefill, budget_s: float) -> dict:
         run = jax.jit(kernel)
         call = (q, kv.k, kv.v, meta.context_lens, meta.page_tables, meta.query_start_loc)
         try:
-            run(*call).block_until_ready()
+            return median_seconds(lambda: run(*call), args.repeats)
         except Exception as err:  # a setting Triton cannot compile (shared memory, registers) is no candidate
             print(f"   failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
             return float("inf")
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            run(*call).block_until_ready()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
 
     def decode_cost(launch: DecodeLaunch) -> float:
         t = seconds(decode, decode=launch)

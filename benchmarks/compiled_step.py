@@ -54,7 +54,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # (when imported by path, as the tests do)
-from step_profile import op_kinds  # noqa: E402
+from step_profile import op_kinds, split_instruction  # noqa: E402
 
 from jserve.attention import KVPages, resolve_attention_backend  # noqa: E402
 from jserve.engine.config import EngineConfig, SchedulePolicy  # noqa: E402
@@ -159,12 +159,7 @@ def shape_bytes(shape: str) -> int:
 def entry_instructions(hlo: str) -> list[tuple[str, str, str, str]]:
     """(name, result shape, opcode, the rest) of each instruction of the entry computation."""
     body = hlo[hlo.index("\nENTRY") :].split("\n")[1:]
-    out = []
-    for line in body:
-        match = re.match(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([a-z][\w\-]*)\((.*)$", line)
-        if match:
-            out.append(match.groups())
-    return out
+    return [parsed for line in body if (parsed := split_instruction(line))]
 
 
 def aliased_parameters(hlo: str) -> set[int]:

@@ -47,8 +47,8 @@ class Op:
     op_name: str
 
 
-def _split_instruction(line: str) -> tuple[str, str, str] | None:
-    """(name, opcode, rest) of an HLO instruction line, or None."""
+def split_instruction(line: str) -> tuple[str, str, str, str] | None:
+    """(name, result shape, opcode, rest) of an HLO instruction line, or None."""
     match = re.match(r"\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$", line)
     if not match:
         return None
@@ -58,12 +58,12 @@ def _split_instruction(line: str) -> tuple[str, str, str] | None:
         for i, char in enumerate(rest):
             depth += {"(": 1, ")": -1}.get(char, 0)
             if depth == 0:
-                rest = rest[i + 1 :].lstrip()
+                shape, rest = rest[: i + 1], rest[i + 1 :].lstrip()
                 break
     else:
-        rest = rest.split(" ", 1)[1] if " " in rest else ""
+        shape, _, rest = rest.partition(" ")
     opcode = re.match(r"([a-z][\w\-]*)\(", rest)
-    return (name, opcode.group(1), rest) if opcode else None
+    return (name, shape, opcode.group(1), rest) if opcode else None
 
 
 def op_kinds(hlo_text: str) -> dict[str, Op]:
@@ -76,8 +76,9 @@ def op_kinds(hlo_text: str) -> dict[str, Op]:
             current = computations.setdefault(header.group(1), [])
         elif line.strip() == "}":
             current = None
-        elif current is not None and (parsed := _split_instruction(line)):
-            current.append(parsed)
+        elif current is not None and (parsed := split_instruction(line)):
+            name, _, opcode, rest = parsed
+            current.append((name, opcode, rest))
     has_dot = {name: any(op in ("dot", "convolution") for _, op, _ in body) for name, body in computations.items()}
     ops: dict[str, Op] = {}
     for body in computations.values():
