@@ -11,6 +11,8 @@ as it would on the chip), then reports, per bucket:
 - the kernels it launches (the entry computation's fusions, library calls and Pallas kernels) by kind, read
   off the step's named scopes (`kv_write`, `attention`, `lm_head`, `sampling`, ...) as step_profile.py does;
   control flow (`lax.cond`, loops), whose branches run as kernels of their own;
+- the kernels XLA rematerialized (recomputed for a later use instead of keeping the first result), which
+  run twice every step;
 - whether every donated K/V array is aliased, and every copy or transpose of at least `--min-mb` MB: for
   carried state (the K/V cache, the penalty state, held logits) a copy means the buffer is copied every step
   instead of updated in place. (A TPU's asynchronous copies between HBM and VMEM, its compiler's prefetches,
@@ -61,7 +63,7 @@ from jserve.engine.config import EngineConfig, SchedulePolicy  # noqa: E402
 from jserve.engine.penalties import init_penalty_state  # noqa: E402
 from jserve.engine.runner import ModelRunner  # noqa: E402
 from jserve.engine.sampler import full_bitmask  # noqa: E402
-from jserve.engine.step import init_sampled  # noqa: E402
+from jserve.engine.step import init_sampled, jit_engine_step  # noqa: E402
 from jserve.engine.step_packing import StepPacking  # noqa: E402
 from jserve.loader import load_model  # noqa: E402
 from jserve.loader.random_weights import MODEL_SHAPES  # noqa: E402
@@ -142,6 +144,7 @@ class Report:
     launches: dict[str, int]  # kind: kernels the entry computation launches
     control_flow: dict[str, int]  # opcode: count (their branches' kernels are not in `launches`)
     kv_aliased: bool  # every donated K/V array is updated in place
+    rematerialized: dict[str, int]  # kind: launches XLA added to recompute a value (`*.remat*` instructions)
     # (op, MB, shape, where from: its op name, or the carried state of its shape)
     big_copies: list[tuple[str, float, str, str]] = field(default_factory=list)
 
@@ -182,6 +185,7 @@ def parameter_names(hlo: str) -> dict[str, str]:
 def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int], min_mb: float) -> Report:
     kinds, parameters = op_kinds(hlo), parameter_names(hlo)
     launches: collections.Counter = collections.Counter()
+    remat: collections.Counter = collections.Counter()
     control: collections.Counter = collections.Counter()
     copies = []
     for name, shape, opcode, rest in entry_instructions(hlo):
@@ -192,6 +196,8 @@ def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int]
             continue
         kind = kinds[name].kind if name in kinds else "other"
         launches[kind] += 1
+        if ".remat" in name:
+            remat[kind] += 1
         is_copy = opcode in ("copy", "transpose") or (
             opcode == "fusion" and re.match(r"(loop_|input_)?(copy|transpose)", name)
         )
@@ -208,13 +214,14 @@ def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int]
         launches=dict(launches.most_common()),
         control_flow=dict(control),
         kv_aliased=kv_params <= aliased_parameters(hlo),
+        rematerialized=dict(remat.most_common()),
         big_copies=sorted(copies, key=lambda c: -c[1]),
     )
 
 
 def build_runner(args) -> ModelRunner:
-    """A runner of a tiny model with the engine settings of the GPU run: its batch preparation and jitted step
-    are what the 8B step is lowered from (its own weights and cache are never used)."""
+    """A runner of a tiny model with the engine settings of the GPU run: its batch preparation is what the 8B
+    step is lowered from (its own weights, cache and CPU-compiled step are never used)."""
     model = load_model("random:smollm2-135m", progress_bars=False)
     config = EngineConfig(
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -243,6 +250,7 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_device), tree)
 
     runner = build_runner(args)
+    step_fn = jit_engine_step(platform=platform)  # the runner's, as a runner on the target makes it
     config = MODEL_SHAPES[args.shape]
     dtype = jnp.bfloat16
     graphdef, params_tree = abstract_model(config, dtype, "none")
@@ -267,7 +275,7 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
                 sampled, abstract(packing.pack(step)))  # fmt: skip
         start = time.perf_counter()
         with jax.sharding.use_abstract_mesh(context):
-            lowered = runner.step_fn.trace(*call).lower()
+            lowered = step_fn.trace(*call).lower()
         compiled = lowered.compile()
         hlo = compiled.as_text()
         report = inspect(hlo, bucket, time.perf_counter() - start, compiled.memory_analysis(), kv_params, args.min_mb)
@@ -283,6 +291,9 @@ def print_report(r: Report, num_layers: int) -> None:
     print(f"   K/V cache {'aliased (written in place)' if r.kv_aliased else 'NOT aliased: copied every step'}")
     print(f"   {total} kernel launches ({total / num_layers:.1f} per layer): "
           + ", ".join(f"{kind} {n}" for kind, n in r.launches.items()))  # fmt: skip
+    if r.rematerialized:
+        print(f"   rematerialized (run twice): {sum(r.rematerialized.values())} of them: "
+              + ", ".join(f"{kind} {n}" for kind, n in r.rematerialized.items()))  # fmt: skip
     if r.control_flow:
         print("   control flow (branches launch their own kernels): "
               + ", ".join(f"{op} {n}" for op, n in r.control_flow.items()))  # fmt: skip

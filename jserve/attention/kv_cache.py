@@ -50,5 +50,18 @@ def allocate_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype
     return KVPages(k, v, config.num_layers)
 
 
+def cache_writer_compiler_options(platform: str) -> dict[str, str]:
+    """XLA options for a program that takes this cache donated and writes it in place (a step).
+
+    XLA:GPU's rematerialization pass runs before buffer assignment knows that each layer's K/V write updates
+    the donated cache in place, so it counts every write as a new buffer the size of the whole cache. With a
+    cache that fills the device it then sees a step needing far more memory than there is and recomputes what
+    it can to save some: at 256 sequences two of each layer's four projections, their weights read twice
+    (docs/benchmarks.md, the step compiled for a GPU). The step's real temporaries are small and the cache
+    leaves room for them (step_workspace_bytes), so the pass is off for such programs. The CPU and TPU
+    compilers rematerialize nothing here."""
+    return {"xla_disable_hlo_passes": "rematerialization"} if platform == "gpu" else {}
+
+
 def kv_cache_bytes_per_token(config: ModelConfig, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize

@@ -65,7 +65,7 @@ class ModelRunner:
         # The step's outputs, penalty state and sampled ids replicated, the caches as allocated.
         replicated = self.input_sharding
         shardings = (replicated, kv_sharding, kv_sharding, replicated, replicated)
-        self.step_fn = jit_engine_step(shardings if mesh else None)
+        self.step_fn = jit_engine_step(shardings if mesh else None, jax.default_backend())
         log.info(
             "Attention: %s%s%s",
             self.attention.kernel,

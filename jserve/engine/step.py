@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.attention import AttentionBackend, KVCache, ModelInput
+from jserve.attention import AttentionBackend, KVCache, ModelInput, cache_writer_compiler_options
 from jserve.engine.carried_state import update_if
 from jserve.engine.prompt_logprobs import PromptScores, score_positions
 from jserve.engine.sampler import (
@@ -202,12 +202,16 @@ def verify_drafts(
     return jax.lax.cond(jnp.any(verify.positions >= 0), verify_rows, lambda: no_samples(count))
 
 
-def jit_engine_step(out_shardings=None):
+def jit_engine_step(out_shardings=None, platform: str = "cpu"):
     """engine_step compiled with the carried state (KV caches, penalty state, sampled ids) donated. The
     parameters come as a flat list, their structure static: flattening the model's State on every call cost
     about 0.75 ms of host time per step; the step's own host arrays come packed (step_packing.py). With
     tensor parallelism the runner pins the output shardings to the input ones, so donated state keeps its
-    layout step to step."""
+    layout step to step. `platform`: the one it compiles for (see cache_writer_compiler_options)."""
     return jax.jit(
-        engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(8, 9, 10, 11), out_shardings=out_shardings
+        engine_step,
+        static_argnums=(0, 1, 2, 3, 4),
+        donate_argnums=(8, 9, 10, 11),
+        out_shardings=out_shardings,
+        compiler_options=cache_writer_compiler_options(platform) or None,
     )

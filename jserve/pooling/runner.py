@@ -22,6 +22,7 @@ from jserve.attention import (
     SequenceChunk,
     allocate_kv_cache,
     build_model_input,
+    cache_writer_compiler_options,
     resolve_attention_backend,
 )
 from jserve.engine.config import EngineConfig
@@ -63,7 +64,13 @@ class PoolingRunner:
         self.attention = resolve_attention_backend(config.attention_backend, mesh=mesh)
         self.params, self.params_def = jax.tree_util.tree_flatten(model.params)
         shardings = (self.input_sharding, kv_sharding) if mesh else None
-        self.step_fn = jax.jit(pooling_step, static_argnums=(0, 1, 2, 3), donate_argnums=(5,), out_shardings=shardings)
+        self.step_fn = jax.jit(
+            pooling_step,
+            static_argnums=(0, 1, 2, 3),
+            donate_argnums=(5,),
+            out_shardings=shardings,
+            compiler_options=cache_writer_compiler_options(jax.default_backend()) or None,
+        )
         self.executables: dict[int, jax.stages.Compiled] = {}
         self.prepare_s = 0.0  # host time building step inputs
 
