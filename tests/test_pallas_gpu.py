@@ -49,6 +49,16 @@ def test_kernel_matches_reference_in_interpret_mode(name):
     assert_matches_reference(out, case, params.get("dtype", "float32"))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unsplit_decodes_are_written_in_place_beside_prefill_rows_in_interpret_mode(dtype):
+    """One split (steps whose sequence slots fill the GPU): decode rows skip the partials and their merge and
+    write the output the prefill rows write too."""
+    case = make_case(BATCHES["mixed"], page_size=16, head_dim=64, heads=8, kv_heads=2, dtype=dtype)
+    out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True,
+                                 **{**SMALL_BLOCKS, "kv_splits": 1})  # fmt: skip
+    assert_matches_reference(out, case, dtype)
+
+
 def test_lone_decode_step_in_interpret_mode():
     case = make_case(LONE_DECODE, pad=False)
     out = ragged_paged_attention(*case.kernel_args(), scale=case.scale, interpret=True, **SMALL_BLOCKS)

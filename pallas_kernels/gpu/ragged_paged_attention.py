@@ -7,7 +7,8 @@ each K/V tile: the query tile is [row tokens x query heads, head_dim].
 - Decode rows (sequences with one new token) are split-KV (flash-decoding): the context is divided
   among `kv_splits` programs, which write partial outputs with their log-sum-exp; a small XLA
   reduction merges them. Few long sequences still fill the GPU this way; a step with enough sequence
-  slots to fill it runs one split (`split_rows.decode_splits`).
+  slots to fill it runs one split (`split_rows.decode_splits`), whose programs write their outputs in
+  place as prefill rows do (no partials, no merge kernels).
 - Prefill rows hold up to `block_q` tokens and walk their context in one program, skipping K/V blocks
   past the causal limit of their last token or before the sliding window of their first.
 
@@ -110,9 +111,10 @@ def ragged_paged_attention(
     pages_per_block = _pages_per_block(decode.pages_per_block, page_size, page_tables)
     tables, kv_splits, _ = split_tables(page_tables, pages_per_block, kv_splits)
     rows = decode_rows(starts, q_lens, first_pos)
-    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, rows, None, 1, kv_splits,
-                                    pages_per_block=pages_per_block, num_warps=decode.num_warps,
-                                    num_stages=decode.num_stages, **kernel_args)  # fmt: skip
+    kernel_args.update(pages_per_block=pages_per_block, num_warps=decode.num_warps, num_stages=decode.num_stages)
+    if kv_splits == 1:  # whole contexts: written in place as prefill rows are, no partials to merge
+        return _attend_rows(q, k_pages, v_pages, tables, rows, out, 1, 1, **kernel_args)
+    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, rows, None, 1, kv_splits, **kernel_args)
     decode_out = merge_splits(partial_out, lse, axis=1).astype(q.dtype)  # [S, heads, head_dim]
     return out.at[jnp.where(q_lens == 1, starts, num_tokens)].set(decode_out, mode="drop")
 
