@@ -9,6 +9,8 @@ pays no merge.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -75,9 +77,17 @@ def prefill_rows(starts, q_lens, first_pos, num_tokens: int, block_q: int) -> ja
 
 def merge_splits(partials: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
     """Combine split-KV partials [..., splits, ..., D] (splits at `axis`) weighted by their log-sum-exps
-    (partials' shape without D)."""
-    weights = jnp.exp(lse - lse.max(axis=axis, keepdims=True))
+    (partials' shape without D).
+
+    The maximum and the weights' total run over the (at most MAX_KV_SPLITS) splits as elementwise operations,
+    which XLA fuses into the weighted sum's kernel: as reductions over the split axis, each was a kernel of
+    its own."""
+
+    def over_splits(op, x: jax.Array) -> jax.Array:
+        return functools.reduce(op, [jax.lax.index_in_dim(x, i, axis) for i in range(x.shape[axis])])
+
+    weights = jnp.exp(lse - over_splits(jnp.maximum, lse))
     weights = jnp.where(lse > MASK_VALUE / 2, weights, 0.0)  # splits that saw nothing
-    total = weights.sum(axis=axis)
-    merged = (partials * weights[..., None]).sum(axis=axis)
-    return merged / jnp.where(total > 0, total, 1.0)[..., None]
+    total = over_splits(jnp.add, weights)
+    merged = (partials * weights[..., None]).sum(axis=axis, keepdims=True)
+    return jnp.squeeze(merged / jnp.where(total > 0, total, 1.0)[..., None], axis)
