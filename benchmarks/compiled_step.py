@@ -11,8 +11,8 @@ as it would on the chip), then reports, per bucket:
 - the kernels it launches (the entry computation's fusions, library calls and Pallas kernels) by kind, read
   off the step's named scopes (`kv_write`, `attention`, `lm_head`, `sampling`, ...) as step_profile.py does;
   control flow (`lax.cond`, loops), whose branches run as kernels of their own;
-- the kernels XLA rematerialized (recomputed for a later use instead of keeping the first result), which
-  run twice every step;
+- the kernels XLA's rematerialization pass added (`*.remat*`: a value recomputed for a later use instead of
+  kept), which run twice every step;
 - whether every donated K/V array is aliased, and every copy or transpose of at least `--min-mb` MB: for
   carried state (the K/V cache, the penalty state, held logits) a copy means the buffer is copied every step
   instead of updated in place. (A TPU's asynchronous copies between HBM and VMEM, its compiler's prefetches,
@@ -82,6 +82,10 @@ TARGETS = {
 # Instructions of the entry computation that launch nothing: they name, split or join buffers.
 NO_LAUNCH = {"parameter", "bitcast", "get-tuple-element", "tuple", "constant", "after-all", "partition-id"}
 CONTROL_FLOW = {"conditional", "while", "call"}
+# How HloRematerialization names its clones (`gemm_fusion_dot.3.remat2`, `gte.remat.12`); not the
+# `.rematerialized.N` copies of a broadcast that newer XLA makes for each user instead of one kernel of many
+# outputs (kernels either way, but no work done twice).
+REMAT_NAME = re.compile(r"\.remat(\d|\.|$)")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8,
                "u64": 8, "f64": 8}  # fmt: skip
 
@@ -144,7 +148,7 @@ class Report:
     launches: dict[str, int]  # kind: kernels the entry computation launches
     control_flow: dict[str, int]  # opcode: count (their branches' kernels are not in `launches`)
     kv_aliased: bool  # every donated K/V array is updated in place
-    rematerialized: dict[str, int]  # kind: launches XLA added to recompute a value (`*.remat*` instructions)
+    rematerialized: dict[str, int]  # kind: launches XLA's rematerialization pass added (REMAT_NAME)
     # (op, MB, shape, where from: its op name, or the carried state of its shape)
     big_copies: list[tuple[str, float, str, str]] = field(default_factory=list)
 
@@ -196,7 +200,7 @@ def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int]
             continue
         kind = kinds[name].kind if name in kinds else "other"
         launches[kind] += 1
-        if ".remat" in name:
+        if REMAT_NAME.search(name):
             remat[kind] += 1
         is_copy = opcode in ("copy", "transpose") or (
             opcode == "fusion" and re.match(r"(loop_|input_)?(copy|transpose)", name)

@@ -107,10 +107,11 @@ NEEDS_CPU_KERNELS = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=NEEDS_CPU_KERNELS)])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=NEEDS_CPU_KERNELS), "pallas"])
 def test_each_layer_writes_and_reads_its_own_pages(backend):
     """Every layer's pages share one array: a layer's metadata points into its part, so a write to layer 1
-    changes nothing of layers 0 and 2, and layer 1's attention reads what the layer itself wrote."""
+    changes nothing of layers 0 and 2, and layer 1's attention reads what the layer itself wrote (the Triton
+    kernel, interpreted here, adds the layer's first page to the page ids itself)."""
     attention = resolve_attention_backend(backend)
     rng = np.random.default_rng(5)
     num_layers, pages_per_layer, page_size, kv_heads, dim = 3, 4, 4, 2, 64

@@ -24,6 +24,8 @@ class AttentionMetadata:
     page_tables: jax.Array  # [S, max_pages] int32: the pages of each sequence, in order
     context_lens: jax.Array  # [S] int32: tokens of each sequence in the cache once this step's are written
     query_start_loc: jax.Array  # [S + 1] int32: sequence s owns query tokens [start[s], start[s + 1])
+    # int32 []: where a layer's pages start in the cache (set by for_layer; the page tables stay as built)
+    first_page: jax.Array | None = None
 
     @property
     def real_tokens(self) -> jax.Array:
@@ -31,11 +33,18 @@ class AttentionMetadata:
         return self.query_start_loc[-1:]
 
     def for_layer(self, first_page: int, page_size: int) -> AttentionMetadata:
-        """The metadata of the layer whose pages start at first_page of the cache (see KVPages): its page ids
-        and slots shifted there, padding slots left as they are."""
+        """The metadata of the layer whose pages start at first_page of the cache (see KVPages): its slots
+        shifted there (padding slots left as they are), and first_page for the page tables. A kernel adds
+        first_page as it reads a table (the Triton kernel, at no cost), or takes `cache_page_tables`: adding
+        it here would be a kernel launch a layer on GPUs."""
         slots = self.slot_mapping
         shifted = jnp.where(slots < 0, slots, slots + first_page * page_size)
-        return replace(self, slot_mapping=shifted, page_tables=self.page_tables + first_page)
+        return replace(self, slot_mapping=shifted, first_page=jnp.asarray(first_page, jnp.int32))
+
+    @property
+    def cache_page_tables(self) -> jax.Array:
+        """The page tables as rows of the cache: first_page added."""
+        return self.page_tables if self.first_page is None else self.page_tables + self.first_page
 
 
 @jax.tree_util.register_dataclass

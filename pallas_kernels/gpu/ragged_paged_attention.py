@@ -77,8 +77,12 @@ def ragged_paged_attention(
     kv_splits: int | None = None,
     num_cores: int = DEFAULT_NUM_CORES,
     device_kind: str | None = None,
+    page_offset: jax.Array | int | None = None,
 ) -> jax.Array:
     """q [T, heads, head_dim] over pages [P, page_size, kv_heads, head_dim] -> [T, heads, head_dim].
+
+    page_offset: added to every page id read from page_tables (a layer's first page in a cache of every
+    layer's pages), inside the kernel: added to the tables, it would be a kernel launch of its own.
 
     decode, prefill: how each program is launched (default: what launch.py holds measured for `device_kind`
     and this shape, else its defaults). kv_splits: the splits of a decode's context (default: from the step's
@@ -94,6 +98,7 @@ def ragged_paged_attention(
         tuned_decode, tuned_prefill = tuned_launches(shape)
         decode, prefill = decode or tuned_decode, prefill or tuned_prefill
     starts, q_lens, first_pos = sequence_spans(context_lens, query_start_loc)
+    offset = jnp.asarray(0 if page_offset is None else page_offset, jnp.int32).reshape(1)
     kernel_args = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, page_size=page_size,
                        interpret=interpret)  # fmt: skip
 
@@ -103,8 +108,9 @@ def ragged_paged_attention(
         pages_per_block = _pages_per_block(prefill.pages_per_block, page_size, page_tables)
         tables, _, _ = split_tables(page_tables, pages_per_block, 1)
         rows = prefill_rows(starts, q_lens, first_pos, num_tokens, prefill.block_q)
-        out = _attend_rows(q, k_pages, v_pages, tables, rows, out, prefill.block_q, 1, pages_per_block=pages_per_block,
-                           num_warps=prefill.num_warps, num_stages=prefill.num_stages, **kernel_args)  # fmt: skip
+        out = _attend_rows(q, k_pages, v_pages, tables, offset, rows, out, prefill.block_q, 1,
+                           pages_per_block=pages_per_block, num_warps=prefill.num_warps, num_stages=prefill.num_stages,
+                           **kernel_args)  # fmt: skip
 
     if kv_splits is None:
         kv_splits = decode_splits(page_tables.shape[0], num_kv_heads, num_cores, decode.programs_per_core)
@@ -113,8 +119,8 @@ def ragged_paged_attention(
     rows = decode_rows(starts, q_lens, first_pos)
     kernel_args.update(pages_per_block=pages_per_block, num_warps=decode.num_warps, num_stages=decode.num_stages)
     if kv_splits == 1:  # whole contexts: written in place as prefill rows are, no partials to merge
-        return _attend_rows(q, k_pages, v_pages, tables, rows, out, 1, 1, **kernel_args)
-    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, rows, None, 1, kv_splits, **kernel_args)
+        return _attend_rows(q, k_pages, v_pages, tables, offset, rows, out, 1, 1, **kernel_args)
+    partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, offset, rows, None, 1, kv_splits, **kernel_args)
     decode_out = merge_splits(partial_out, lse, axis=1).astype(q.dtype)  # [S, heads, head_dim]
     return out.at[jnp.where(q_lens == 1, starts, num_tokens)].set(decode_out, mode="drop")
 
@@ -128,7 +134,20 @@ def _pages_per_block(pages_per_block: int | None, page_size: int, page_tables) -
 
 
 def _attend_rows(
-    q, k_pages, v_pages, tables, rows, out, block_q: int, kv_splits: int, *, interpret, num_warps, num_stages, **kw
+    q,
+    k_pages,
+    v_pages,
+    tables,
+    offset,
+    rows,
+    out,
+    block_q: int,
+    kv_splits: int,
+    *,
+    interpret,
+    num_warps,
+    num_stages,
+    **kw,
 ):
     """Run the kernel over rows x kv heads x splits.
 
@@ -154,15 +173,15 @@ def _attend_rows(
     )
     if out is not None:
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-        aliases = {5: 0}
-        operands = (rows, tables, q, k_pages, v_pages, out)
+        aliases = {6: 0}
+        operands = (rows, tables, offset, q, k_pages, v_pages, out)
     else:
         out_shape = (
             jax.ShapeDtypeStruct((num_rows, kv_splits, num_heads, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((num_rows, kv_splits, num_heads), jnp.float32),
         )
         aliases = {}
-        operands = (rows, tables, q, k_pages, v_pages)
+        operands = (rows, tables, offset, q, k_pages, v_pages)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -177,6 +196,7 @@ def _attend_rows(
 def _row_kernel(
     rows_ref,  # [R, ROW_FIELDS] int32
     tables_ref,  # [S, padded_pages] int32
+    offset_ref,  # [1] int32: added to the tables' page ids
     q_ref,  # [T, heads, D]
     k_ref,  # [P, page_size, kv_heads, D]
     v_ref,
@@ -215,7 +235,7 @@ def _row_kernel(
 
     def visit(block, carry):
         running_max, denom, acc = carry
-        pages = tables_ref[seq, pl.ds(block * pages_per_block, pages_per_block)]
+        pages = tables_ref[seq, pl.ds(block * pages_per_block, pages_per_block)] + offset_ref[0]
         k = k_ref[pages, :, kv_head, :].reshape(block_k, head_dim)
         v = v_ref[pages, :, kv_head, :].reshape(block_k, head_dim)
         scores = _dot(q, k.T) * scale
