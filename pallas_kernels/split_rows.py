@@ -79,9 +79,9 @@ def merge_splits(partials: jax.Array, lse: jax.Array, axis: int) -> jax.Array:
     """Combine split-KV partials [..., splits, ..., D] (splits at `axis`) weighted by their log-sum-exps
     (partials' shape without D).
 
-    The maximum and the weights' total run over the (at most MAX_KV_SPLITS) splits as elementwise operations,
-    which XLA fuses into the weighted sum's kernel: as reductions over the split axis, each was a kernel of
-    its own."""
+    The maximum and the weights' total run over the (at most MAX_KV_SPLITS) splits as chains of elementwise
+    operations: as reductions over the split axis, XLA:GPU gave each a kernel of its own; this way the total
+    fuses into the weighted sum's kernel (two kernels, not three, after a lone decode's split programs)."""
 
     def over_splits(op, x: jax.Array) -> jax.Array:
         return functools.reduce(op, [jax.lax.index_in_dim(x, i, axis) for i in range(x.shape[axis])])
