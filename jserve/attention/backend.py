@@ -96,7 +96,8 @@ def _attend(q, k, v, pages: KVPages, meta: AttentionMetadata, *, backend, scale,
 
 def _attend_pages(q, pages: KVPages, meta: AttentionMetadata, backend, scale, sliding_window, soft_cap):
     kernel = _kernel_for(backend.kernel, pages.k)
-    tables = meta.cache_page_tables
+    # The Triton kernel adds the layer's first page as it reads the tables; the others take them shifted.
+    tables = meta.page_tables if kernel == Kernel.PALLAS_GPU else meta.cache_page_tables
     if kernel == Kernel.REFERENCE:
         meta = dataclasses.replace(meta, page_tables=tables, first_page=None)
         return paged_attention(q, pages, meta, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -106,9 +107,8 @@ def _attend_pages(q, pages: KVPages, meta: AttentionMetadata, backend, scale, sl
         attend = partial(_pallas_kernels(kernel).ragged_paged_attention, interpret=backend.interpret)
         if backend.num_cores is not None:
             attend = partial(attend, num_cores=backend.num_cores)
-        if kernel == Kernel.PALLAS_GPU:  # adds the layer's first page as it reads the tables
+        if kernel == Kernel.PALLAS_GPU:
             attend = partial(attend, device_kind=backend.device_kind, page_offset=meta.first_page)
-            tables = meta.page_tables
     return attend(q, pages.k, pages.v, meta.context_lens, tables, meta.query_start_loc,
                   scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)  # fmt: skip
 

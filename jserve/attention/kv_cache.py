@@ -58,9 +58,9 @@ def cache_writer_compiler_options(platform: str) -> dict[str, str]:
     cache that fills the device it then sees a step needing far more memory than there is and recomputes what
     it can to save a few megabytes: for an 8B model, the attention output projection of 31 layers at 256 tokens
     a step (their weights read twice), the q/k/v projection of 31 layers at 2,048 (docs/benchmarks.md, the
-    step compiled for a GPU). The step's real temporaries are small and the cache
-    leaves room for them (step_workspace_bytes), so the pass is off for such programs. The CPU and TPU
-    compilers rematerialize nothing here."""
+    step compiled for a GPU). The step's real temporaries are small and the cache leaves room for them
+    (step_workspace_bytes), so the pass is off for such programs. The CPU and TPU compilers rematerialize
+    nothing here: no options there."""
     return {"xla_disable_hlo_passes": "rematerialization"} if platform == "gpu" else {}
 
 

@@ -213,5 +213,5 @@ def jit_engine_step(out_shardings=None, platform: str = "cpu"):
         static_argnums=(0, 1, 2, 3, 4),
         donate_argnums=(8, 9, 10, 11),
         out_shardings=out_shardings,
-        compiler_options=cache_writer_compiler_options(platform) or None,
+        compiler_options=cache_writer_compiler_options(platform),
     )

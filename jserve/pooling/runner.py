@@ -69,7 +69,7 @@ class PoolingRunner:
             static_argnums=(0, 1, 2, 3),
             donate_argnums=(5,),
             out_shardings=shardings,
-            compiler_options=cache_writer_compiler_options(jax.default_backend()) or None,
+            compiler_options=cache_writer_compiler_options(jax.default_backend()),
         )
         self.executables: dict[int, jax.stages.Compiled] = {}
         self.prepare_s = 0.0  # host time building step inputs
