@@ -40,7 +40,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 
@@ -63,6 +63,7 @@ from jserve.engine.config import EngineConfig, SchedulePolicy  # noqa: E402
 from jserve.engine.penalties import init_penalty_state  # noqa: E402
 from jserve.engine.runner import ModelRunner  # noqa: E402
 from jserve.engine.sampler import full_bitmask  # noqa: E402
+from jserve.engine.stages import DEVICE_DECIDES, Gate, StepStages, host_decides, step_stages  # noqa: E402
 from jserve.engine.step import init_sampled, jit_engine_step  # noqa: E402
 from jserve.engine.step_packing import StepPacking  # noqa: E402
 from jserve.loader import load_model  # noqa: E402
@@ -269,14 +270,17 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
     penalties = abstract(jax.eval_shape(partial(init_penalty_state, args.max_num_seqs, vocab)))
     sampled = abstract(jax.eval_shape(partial(init_sampled, rows, vocab)))
     kv_params = {len(params), len(params) + 1}  # the entry parameters after the weights: K, then V
+    run_stages = dict.fromkeys(args.run_stages, Gate.RUN)
     results = []
     for bucket in args.buckets:
         step = runner.prepare([], bucket)
         bitmask = full_bitmask(step.sampling.token_bitmask.shape[0], vocab)  # the 8B vocabulary's
         step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask))
         packing = StepPacking.of(step)
-        call = (graphdef, attention, params_def, None, packing, abstract(params), [], None, kv_cache, (), penalties,
-                sampled, abstract(packing.pack(step)))  # fmt: skip
+        stages = replace(step_stages(step.sampling, step.prompt_targets, vocab), **run_stages)
+        stages = stages if host_decides(platform) else DEVICE_DECIDES  # (as a runner on the target picks them)
+        call = (graphdef, attention, params_def, None, packing, stages, abstract(params), [], None, kv_cache, (),
+                penalties, sampled, abstract(packing.pack(step)))  # fmt: skip
         start = time.perf_counter()
         with jax.sharding.use_abstract_mesh(context):
             lowered = step_fn.trace(*call).lower()
@@ -319,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="default: the target's (TARGETS)")
     parser.add_argument("--min-mb", type=float, default=1.0, help="report copies and transposes from this size")
+    parser.add_argument("--run-stages", nargs="*", default=[], choices=[f.name for f in fields(StepStages)],
+                        help="optional stages to compile in for a GPU (default: a greedy step's: none)")  # fmt: skip
     parser.add_argument("--json", default=None, help="also write the reports here")
     parser.add_argument("--hlo-dir", default=None, help="also write each bucket's optimized HLO here")
     return parser.parse_args(argv)

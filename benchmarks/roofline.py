@@ -10,6 +10,10 @@ answer. The roofline time of the same work is max(bytes / bandwidth, FLOPs / pea
 - FLOPs: 2 per weight per token through the projections, the head for each sampled row, and
   4 * heads * head_dim per layer per (query, key) pair attended.
 
+`--conditionals-batch B` also decodes at B on the step whose device decides its optional sampling stages
+(each behind a conditional, which on a GPU is a round trip to the host; jserve/engine/stages.py), the
+baseline for the steps the host decides them for.
+
 It is given twice: from the device's data sheet (dense bfloat16; only for devices named in SPECS), and
 from what this run measured: a jitted sum over a large array (bandwidth) and a large matmul through the
 model's own projection path (FLOP/s; with int8 weights on CPU, the int8 kernel). Medians of `--repeats`,
@@ -180,11 +184,21 @@ def _prompts(rng, count: int, length: int, vocab: int) -> list[list[int]]:
     return rng.integers(100, min(vocab, 20000), (count, length)).tolist()
 
 
-def time_decode(llm: LLM, batch: int, context: int, steps: int, rng) -> Timing:
+def time_decode(llm: LLM, batch: int, context: int, steps: int, rng, device_decides: bool = False) -> Timing:
     """Prefill `batch` prompts, then time `steps` steps in which every one of them decodes. The first
     prompts decode while the last are prefilled, so each may generate up to max_model_len: none finishes
-    before the timed steps end (the rest are aborted)."""
+    before the timed steps end (the rest are aborted). `device_decides`: steps run on the executable whose
+    device decides the optional stages, each behind a conditional (where the host decides them: GPUs)."""
     engine = llm.engine
+    executables = engine.runner.steps
+    host_decides, executables.host_decides = executables.host_decides, executables.host_decides and not device_decides
+    try:
+        return _time_decode(engine, batch, context, steps, rng)
+    finally:
+        executables.host_decides = host_decides
+
+
+def _time_decode(engine, batch: int, context: int, steps: int, rng) -> Timing:
     params = SamplingParams(temperature=0, max_tokens=engine.config.max_model_len - context, ignore_eos=True)
     counts = {engine.add_request(p, params): 0 for p in _prompts(rng, batch, context, engine.model.config.vocab_size)}
 
@@ -236,6 +250,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="prompt tokens of every sequence")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--prefill-seqs", type=int, default=16)
+    parser.add_argument(
+        "--conditionals-batch", type=int, nargs="*", default=[],
+        help="also decode at these batches on the step whose device decides its optional stages (GPUs: a baseline)",
+    )  # fmt: skip
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -264,11 +282,13 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
 
     phases = [("decode", b) for b in args.decode_batch] + [("prefill", args.prefill_seqs)]
+    phases += [("decode, conditionals", b) for b in args.conditionals_batch]
     runs: dict[tuple[str, int], list[Timing]] = {p: [] for p in phases}
     for _ in range(args.repeats):  # alternated, so drifting machine load hits every phase alike
         for kind, n in phases:
-            if kind == "decode":
-                runs[kind, n].append(time_decode(llm, n, args.context, args.decode_steps, rng))
+            if kind.startswith("decode"):
+                device_decides = kind != "decode"
+                runs[kind, n].append(time_decode(llm, n, args.context, args.decode_steps, rng, device_decides))
             else:
                 runs[kind, n].append(time_prefill(llm, n, args.context, rng))
 
@@ -280,18 +300,18 @@ def main() -> None:
     )
     for roof in roofs:
         print(f"roofline from {roof.source}: {roof.bytes_per_s / 1e9:.0f} GB/s, {roof.flops_per_s / 1e12:.1f} TFLOP/s")
-    header = f"{'phase':16} {'tok/s':>9} {'ms/step':>8} {'device ms':>9} {'host ms':>8}"
+    header = f"{'phase':24} {'tok/s':>9} {'ms/step':>8} {'device ms':>9} {'host ms':>8}"
     print(header + "".join(f" {'roof tok/s':>11} {'% roof':>7} {'bound':>8}" for _ in roofs))
     for kind, n in phases:
         timing = sorted(runs[kind, n], key=lambda t: t.tokens / t.seconds)[(args.repeats - 1) // 2]
         steps = max(timing.steps, 1)
-        if kind == "decode":  # the roofline's tokens: one per sequence per step
+        if kind.startswith("decode"):  # the roofline's tokens: one per sequence per step
             work, work_tokens = cost.decode(n, args.context + args.decode_steps / 2), n
         else:
             work, work_tokens = cost.prefill(n, args.context, timing.steps, args.max_num_batched_tokens), timing.tokens
         rate = timing.tokens / timing.seconds
         line = (
-            f"{kind + ' ' + str(n):16} {rate:9.1f} {1000 * timing.seconds / steps:8.2f} "
+            f"{kind + ' ' + str(n):24} {rate:9.1f} {1000 * timing.seconds / steps:8.2f} "
             f"{1000 * timing.device_s / steps:9.2f} {1000 * timing.host_s / steps:8.2f}"
         )
         for roof in roofs:

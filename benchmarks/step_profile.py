@@ -242,7 +242,10 @@ def profile_decode(llm: LLM, batch: int, context: int, steps: int, rng) -> Profi
     for _ in range(3):  # steady state: every row decodes, the step in flight is a decode
         engine.step()
     bucket = engine.runner.bucket_for(batch)
-    kinds = op_kinds(engine.runner.executables[bucket].as_text())
+    kinds = {}  # (the bucket's executables: one, or on a GPU one per combination of stages steps needed)
+    for (executable_bucket, _), executable in engine.runner.executables.items():
+        if executable_bucket == bucket:
+            kinds |= op_kinds(executable.as_text())
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.block_until_ready(engine.runner.sampled)
         start = time.perf_counter()

@@ -3,8 +3,9 @@
 Lowering (tests/test_accelerator_lowering.py) checks that every operation has a lowering; compiling goes on to
 what the accelerator's own compiler decides: Mosaic compiling the TPU attention kernel (which interpret mode
 cannot check: page tables whose width is not a multiple of 128 once failed there), and XLA:GPU's buffer
-assignment (carried state that left a `lax.cond` was copied every step: jserve/engine/carried_state.py) and
-rematerialization (jserve/attention/kv_cache.py, cache_writer_compiler_options).
+assignment (carried state that left a `lax.cond` was copied every step: jserve/engine/carried_state.py),
+rematerialization (jserve/attention/kv_cache.py, cache_writer_compiler_options), and the device conditionals
+left in a step (each holds the launching thread until the device reaches it: jserve/engine/stages.py).
 Both run `benchmarks/compiled_step.py` in a process of its own, which fetches the compiler plugins into
 jserve's cache on first use (the CUDA plugin with ptxas, and libtpu: about 1.3 GB from the package index,
 which the suite needs as it needs it for the default model).
@@ -38,6 +39,18 @@ def test_an_8b_step_for_an_h200_updates_its_carried_state_in_place(tmp_path):
         assert report["big_copies"] == [], report
         assert report["rematerialized"] == {}, report
         assert report["launches"]["attention"] >= 32  # the Triton kernel, for each of the 32 layers
+        assert "conditional" not in report["control_flow"], report  # a greedy step: no optional stage
+
+
+def test_an_8b_step_for_an_h200_runs_its_stages_without_device_conditionals(tmp_path):
+    """Biases, penalties, a grammar's mask, the draw, logprobs and prompt scores all compiled in, as where some
+    row needs each: none waits on a device conditional (top-k/top-p keep one, before sorting whole rows)."""
+    stages = ["adjust", "draw", "logprobs", "prompt_scores"]
+    (report,) = compile_for("h200", tmp_path, "--buckets", "256", "--run-stages", *stages)
+    assert "conditional" not in report["control_flow"], report
+    assert report["launches"]["prompt_scores"] >= 1 and report["launches"]["sampling"] > 10, report
+    (report,) = compile_for("h200", tmp_path, "--buckets", "256", "--run-stages", *stages, "filters")
+    assert report["control_flow"]["conditional"] == 1, report
 
 
 def test_an_8b_step_for_a_tpu_compiles_its_attention_kernel(tmp_path):

@@ -20,6 +20,7 @@ from jserve import LLM
 from jserve.attention import KVPages, resolve_attention_backend
 from jserve.engine.penalties import init_penalty_state
 from jserve.engine.sampler import full_bitmask
+from jserve.engine.stages import DEVICE_DECIDES
 from jserve.engine.step import init_sampled
 from jserve.engine.step_packing import StepPacking
 from jserve.loader.random_weights import MODEL_SHAPES
@@ -80,8 +81,10 @@ def lower_step(
         step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask),
                        verify=replace(step.verify, token_bitmask=verify_bitmask))  # fmt: skip
         packing = StepPacking.of(step)
-        args = (graphdef, attention, params_def, drafter, packing, params, draft_params, adapter_weights,
-                kv_cache(config.num_layers), kv_cache(2), penalties, sampled, packing.pack(step))  # fmt: skip
+        # (every stage behind its conditional: both branches of each lowered)
+        args = (graphdef, attention, params_def, drafter, packing, DEVICE_DECIDES, params, draft_params,
+                adapter_weights, kv_cache(config.num_layers), kv_cache(2), penalties, sampled,
+                packing.pack(step))  # fmt: skip
         with lowering_for(platform):
             texts.append(runner.step_fn.trace(*args).lower(lowering_platforms=(platform,)).as_text())
     return texts

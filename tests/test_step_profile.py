@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jserve.engine.stages import DEVICE_DECIDES
+
 from tiny_models import tiny_engine_args
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_profile.py"
@@ -42,7 +44,7 @@ def llm(tiny_llama_checkpoint):
 
 def test_the_steps_hlo_names_its_parts(step_profile, llm):
     runner = llm.engine.runner
-    ops = step_profile.op_kinds(runner.executables[runner.config.token_buckets[0]].as_text())
+    ops = step_profile.op_kinds(runner.executables[(runner.config.token_buckets[0], DEVICE_DECIDES)].as_text())
     kinds = {op.kind for op in ops.values()}
     assert {"kv_write", "attention", "lm_head", "sampling", "matmul", "other"} <= kinds
     assert all(op.kind in step_profile.KINDS for op in ops.values())

@@ -11,7 +11,8 @@
 # skipped, and says so):
 #   env       the machine: GPUs, driver, jax and its devices, pip check
 #   profile   benchmarks/step_profile.py: where a decode step's device time goes, at batch 1 and 64
-#   roofline  benchmarks/roofline.py: decode at batch 1/16/64/256 and prefill, against the memory roofline
+#   roofline  benchmarks/roofline.py: decode at batch 1/16/64/256 and prefill, against the memory roofline; decode 1
+#             again on the step whose device decides its sampling stages (the conditionals' cost)
 #   kernels   benchmarks/attention_kernels.py: decode 64 x 2048 and 512-token prefill chunks, GB/s, TFLOP/s
 #   tune      the same, searching the Triton kernel's launch settings (--tune); the best for this GPU go to
 #             $OUT/tuned.json, an entry for pallas_kernels/gpu/tuned.json
@@ -91,7 +92,7 @@ stage_profile() {
 
 stage_roofline() {
   "$PYTHON" benchmarks/roofline.py --model "$MODEL" --decode-batch $DECODE_BATCHES --context "$CONTEXT" \
-    --prefill-seqs "$PREFILL_SEQS" --repeats 2 $ENGINE_ARGS
+    --prefill-seqs "$PREFILL_SEQS" --repeats 2 --conditionals-batch 1 $ENGINE_ARGS
 }
 
 stage_kernels() {

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jserve.engine.carried_state import update_if
+from jserve.engine.stages import Gate, gated
 
 
 @jax.tree_util.register_dataclass
@@ -67,8 +68,10 @@ def apply_penalties(
     repetition: jax.Array,
     presence: jax.Array,
     frequency: jax.Array,
+    gate: Gate = Gate.WHEN_NEEDED,
 ) -> jax.Array:
-    """Penalises logits [S, V] of the sequences in slots [S], each with its own penalties [S].
+    """Penalises logits [S, V] of the sequences in slots [S], each with its own penalties [S] (`gate`: whether
+    to, see stages.py; neutral penalties leave a row as it is).
 
     Repetition (HF/vLLM): tokens seen in the prompt or output are divided by the penalty when positive and
     multiplied when not. Presence subtracts once per token in the output, frequency once per occurrence.
@@ -82,6 +85,8 @@ def apply_penalties(
         logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
         return logits - frequency[:, None] * counts - presence[:, None] * in_output
 
-    # Gathering [S, V] of history is skipped at run time when no row has a penalty.
-    active = jnp.any((repetition != 1) | (presence != 0) | (frequency != 0))
-    return jax.lax.cond(active, penalise, lambda x: x, logits)
+    # Gathering [S, V] of history is skipped when no row has a penalty.
+    def active() -> jax.Array:
+        return jnp.any((repetition != 1) | (presence != 0) | (frequency != 0))
+
+    return gated(gate, active, lambda: penalise(logits), lambda: logits)

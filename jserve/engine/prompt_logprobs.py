@@ -2,8 +2,8 @@
 model's top alternatives at that position.
 
 The step's hidden states are run through the LM head block by block (SCORE_BLOCK positions at a time, so the
-[positions, vocab] logits never exist whole), only when some position of the step is scored (`lax.cond`):
-other steps pay nothing, and the outputs have fixed shapes, so scoring compiles nothing new.
+[positions, vocab] logits never exist whole), only when some position of the step is scored (a stage of the
+step, see stages.py): other steps pay nothing; the outputs have fixed shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jserve.engine.stages import Gate, gated
 from jserve.sampling_params import MAX_LOGPROBS
 
 SCORE_BLOCK = 128  # positions per block of the LM head
@@ -30,8 +31,11 @@ class PromptScores:
     top_logprobs: jax.Array  # [T, MAX_LOGPROBS] f32
 
 
-def score_positions(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array) -> PromptScores:
-    """Scores of `targets` [T] (-1: not scored) given the final hidden states [T, H]; head gives f32 logits."""
+def score_positions(
+    head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array, gate: Gate = Gate.WHEN_NEEDED
+) -> PromptScores:
+    """Scores of `targets` [T] (-1: not scored) given the final hidden states [T, H]; head gives f32 logits.
+    `gate`: whether to score at all (see stages.py); unscored positions' scores are meaningless."""
     num = hidden.shape[0]
 
     def scored() -> PromptScores:
@@ -53,7 +57,7 @@ def score_positions(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, t
         out = jax.lax.map(score_block, blocks)
         return PromptScores(*(x.reshape(num, *x.shape[2:]) for x in out))
 
-    return jax.lax.cond(jnp.any(targets >= 0), scored, lambda: no_scores(num))
+    return gated(gate, lambda: jnp.any(targets >= 0), scored, lambda: no_scores(num))
 
 
 def no_scores(num: int) -> PromptScores:

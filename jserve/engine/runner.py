@@ -1,8 +1,8 @@
 """Turn a scheduled batch into padded device arrays, run the compiled step for its bucket, fetch the samples.
 
 Buckets: a step's tokens are padded to the next token bucket (powers of two up to the token budget) and
-its sequences to that bucket's sequence count, so every step reuses one of a few executables, all
-compiled at start-up.
+its sequences to that bucket's sequence count, so every step reuses one of a few executables, compiled at
+start-up (on GPUs also, in the background, one per combination of optional stages in use: stages.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from jserve.engine.progress import progress
 from jserve.engine.sampler import BIAS_WIDTH, full_bitmask, init_penalty_state
 from jserve.engine.scheduler import ScheduledSequence, proposing_rows, verify_row_starts
 from jserve.engine.speculation import ProposingRows, StepProposer
+from jserve.engine.stages import StepStages, host_decides
 from jserve.engine.step import StepInput, StepOutput, VerifyInput, init_sampled, jit_engine_step
+from jserve.engine.step_executables import StepExecutables
 from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.loader import LoadedModel
 from jserve.parallel import kv_cache_spec
@@ -76,7 +78,6 @@ class ModelRunner:
         self.proposer = proposer.run if proposer else None
         self.proposer_params = proposer.params if proposer else []
         self.adapters = adapters
-        self.executables: dict[int, jax.stages.Compiled] = {}
         self.packings: dict[int, StepPacking] = {}  # by bucket: how its step's host arrays travel
         self.places: dict[int, Places] = {}  # by bucket: the inputs a continued decode step advances
         # Steps without a grammar share one all-ones bitmask per batch size: never written, so a step still
@@ -103,6 +104,9 @@ class ModelRunner:
         self.mask_fill_s: deque[float] = deque(maxlen=MASK_TIMINGS_KEPT)  # host time per constrained step
         # Across hosts the leader tells followers every step it launches (see jserve.parallel.distributed).
         self.broadcast = StepBroadcast(lambda bucket: self.prepare([], bucket)) if is_multi_process() else None
+        # Across hosts every process must run the same executable for a step: there the device decides.
+        decides = host_decides(jax.default_backend()) and self.broadcast is None
+        self.steps = StepExecutables(decides, model.config.vocab_size, self._lowering)
 
     def allocate_memory(self) -> None:
         """The device state steps carry from one to the next, as it starts: the KV cache (and a device
@@ -139,11 +143,12 @@ class ModelRunner:
         launched as soon as its bucket is compiled, both while the next buckets are traced."""
         start = time.perf_counter()
         buckets = self.config.token_buckets
-        compiling: list[tuple[int, StepInput, Future]] = []
+        compiling: list[tuple[int, StepStages, StepInput, Future]] = []
+        variants = self.steps.warm_up_stages(self.prepare([], buckets[0]))
         workers = min(COMPILE_WORKERS, os.cpu_count() or 1)
         with (
             ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as compiler,
-            progress(len(buckets), "Compiling step buckets", "bucket", progress_bars) as bar,
+            progress(len(buckets) * len(variants), "Compiling step buckets", "executable", progress_bars) as bar,
         ):
             for bucket in buckets:
                 step = self.prepare([], bucket)
@@ -151,31 +156,44 @@ class ModelRunner:
                     self._exchange(bucket, step)
                 packing = self.packings[bucket] = StepPacking.of(step)
                 self.places[bucket] = Places.of(packing, step)
-                lowered = self.step_fn.lower(
-                    self.model.graphdef, self.attention, self.params_def, self.proposer, packing, self.params,
-                    self.proposer_params, self._adapter_weights(), self.kv_cache, self.proposer_kv,
-                    self.penalty_state, self.sampled, self._placed(packing.pack(step)),
-                )  # fmt: skip
-                compiling.append((bucket, step, compiler.submit(lowered.compile)))
+                for stages in self.steps.warm_up_stages(step):
+                    lowered = self._lowering(bucket, stages, step)()
+                    compiling.append((bucket, stages, step, compiler.submit(lowered.compile)))
                 # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
                 # order, so there first runs wait until every bucket is exchanged.
-                while compiling and compiling[0][2].done() and not self.broadcast:
+                while compiling and compiling[0][3].done() and not self.broadcast:
                     self._first_run(*compiling.pop(0), bar)
             while compiling:
                 self._first_run(*compiling.pop(0), bar)
             jax.block_until_ready(self.sampled)
         log.info(
-            "Compiled %d step variants (token buckets %s) in %.1fs",
-            len(self.executables),
+            "Compiled %d step executables (token buckets %s) in %.1fs",
+            len(self.steps.compiled),
             ", ".join(map(str, buckets)),
             time.perf_counter() - start,
         )
 
-    def _first_run(self, bucket: int, step: StepInput, compiled: Future, bar) -> None:
-        """Take a bucket's executable and launch its first run (in bucket order: each donates the state)."""
-        self.executables[bucket] = compiled.result()
-        self._execute(bucket, step)
+    def _first_run(self, bucket: int, stages: StepStages, step: StepInput, compiled: Future, bar) -> None:
+        """Take an executable and launch its first run (in bucket order: each donates the state)."""
+        self.steps.add(bucket, stages, compiled.result())
+        self._run(self.steps.compiled[(bucket, stages)], self.packings[bucket].pack(step))
         bar.update()
+
+    @property
+    def executables(self) -> dict[tuple[int, StepStages], jax.stages.Compiled]:
+        """The step's executables by (bucket, stages) (step_executables.py)."""
+        return self.steps.compiled
+
+    def _lowering(self, bucket: int, stages: StepStages, step: StepInput):
+        """A function lowering the bucket's step with `stages`, for arguments shaped as the state is now."""
+        packing = self.packings[bucket]
+        args = (self.params, self.proposer_params, self._adapter_weights(), self.kv_cache, self.proposer_kv,
+                self.penalty_state, self.sampled, self._placed(packing.pack(step)))  # fmt: skip
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), args
+        )
+        statics = (self.model.graphdef, self.attention, self.params_def, self.proposer, packing, stages)
+        return lambda: self.step_fn.lower(*statics, *shapes)
 
     def step_seconds(self, num_tokens: int, num_drafts: int = 0, runs: int = 5, proposes: bool = True) -> float:
         """The fastest of `runs` steps of `num_tokens` real tokens, `num_drafts` of them verified (noise only
@@ -261,7 +279,10 @@ class ModelRunner:
     def _execute(self, bucket: int, step: StepInput, packed: PackedStep | None = None) -> StepOutput:
         """Run the bucket's executable on a step's inputs (`packed`: packed already)."""
         packed = packed if packed is not None else self.packings[bucket].pack(step)
-        out, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled = self.executables[bucket](
+        return self._run(self.steps.for_step(bucket, step), packed)
+
+    def _run(self, executable: jax.stages.Compiled, packed: PackedStep) -> StepOutput:
+        out, self.kv_cache, self.proposer_kv, self.penalty_state, self.sampled = executable(
             self.params, self.proposer_params, self._adapter_weights(), self.kv_cache, self.proposer_kv,
             self.penalty_state, self.sampled, self._placed(packed),
         )  # fmt: skip
@@ -296,7 +317,8 @@ class ModelRunner:
             self._execute(*received)
 
     def close(self) -> None:
-        """On the leader: release the followers from `follow`."""
+        """Stop compiling in the background; on the leader, release the followers from `follow`."""
+        self.steps.close()
         if self.broadcast and is_leader():
             self.broadcast.stop()
             self.broadcast = None

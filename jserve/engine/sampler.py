@@ -4,9 +4,10 @@ For a padded batch of S sequences the sampler applies, row by row with each row'
 a grammar's token bitmask (structured outputs) → logit_bias → repetition penalty → presence/frequency
 penalties, then either argmax (temperature 0) or temperature → top-k → top-p → min-p → a seeded
 Gumbel-max draw. Rows never read one another, so a request's tokens do not depend on its row or its
-neighbours; the only batch-wide decisions are whether to apply bitmasks, run the penalty gather, the
-top-k/top-p sort and the random draw at all (`lax.cond`: skipped when no row needs them, which on CPU
-saves most of the cost of plain greedy or plain temperature batches).
+neighbours; the only batch-wide decisions are whether to apply bitmasks, biases and penalties, the
+top-k/top-p sort, the random draw and the logprobs at all: each a stage that the step's StepStages gate
+(stages.py), skipped when no row needs it, which on CPU saves most of the cost of plain greedy or plain
+temperature batches.
 top-k/top-p look at each row's best TOP_HEAD tokens (`lax.top_k`) and sort whole rows only when those do
 not decide a row (k > TOP_HEAD, or a flat distribution whose head holds less than top_p).
 
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.engine.penalties import PenaltyState, apply_penalties, init_penalty_state, update_penalty_state
+from jserve.engine.stages import DEVICE_DECIDES, Gate, StepStages, gated
 from jserve.errors import RequestError
 from jserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -95,17 +97,21 @@ class SamplerOutput:
     # (all three are computed only when some row wants logprobs; otherwise 0 / -1 / -inf)
 
 
-def process_logits(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
+def process_logits(
+    logits: jax.Array, batch: SamplingBatch, state: PenaltyState, stages: StepStages = DEVICE_DECIDES
+) -> jax.Array:
     """[S, V] logits as the draw sees them: biased and penalised; then for sampling rows also divided by
     the temperature and filtered by top-k, top-p and min-p (filtered-out tokens -inf)."""
-    logits = _penalised(logits, batch, state)
+    logits = _penalised(logits, batch, state, stages.adjust)
     greedy = batch.temperature == 0
     temperature = jnp.where(greedy, 1.0, jnp.maximum(batch.temperature, MIN_TEMPERATURE))
     scaled = logits / temperature[:, None]
-    return jnp.where(greedy[:, None], logits, _filter(scaled, batch, greedy))
+    return jnp.where(greedy[:, None], logits, _filter(scaled, batch, greedy, stages.filters))
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> SamplerOutput:
+def sample(
+    logits: jax.Array, batch: SamplingBatch, state: PenaltyState, stages: StepStages = DEVICE_DECIDES
+) -> SamplerOutput:
     """One token per row: argmax of the processed logits for greedy rows, a seeded draw for the rest."""
     greedy = batch.temperature == 0
 
@@ -113,16 +119,22 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
         # argmax(logits + Gumbel noise) is a draw from softmax(logits); -inf entries stay -inf.
         keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(batch.seeds, batch.steps)
         noise = jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:]))(keys)
-        return _argmax(process_logits(logits, batch, state) + jnp.where(greedy[:, None], 0.0, noise))
+        return _argmax(process_logits(logits, batch, state, stages) + jnp.where(greedy[:, None], 0.0, noise))
 
     def pick_greedy() -> jax.Array:
         # Greedy rows see only the bias and penalties: the [S, V] passes of the filters and the noise are
         # skipped at run time when every row is greedy (the common case when serving), and so is the copy
         # of the logits that a bias or penalty is written into when no row has either.
-        adjusted = jnp.any(batch.bias_ids >= 0) | jnp.any(_has_penalty(batch)) | jnp.any(batch.constrained)
-        return jax.lax.cond(adjusted, lambda: _argmax(_penalised(logits, batch, state)), lambda: _argmax(logits))
+        def adjusted() -> jax.Array:
+            return jnp.any(batch.bias_ids >= 0) | jnp.any(_has_penalty(batch)) | jnp.any(batch.constrained)
 
-    token_ids = jax.lax.cond(jnp.all(greedy), pick_greedy, draw)
+        def penalised() -> jax.Array:
+            return _argmax(_penalised(logits, batch, state, stages.adjust))
+
+        return gated(stages.adjust, adjusted, penalised, lambda: _argmax(logits))
+
+    # (a draw leaves greedy rows their argmax: it can run for a batch of greedy rows)
+    token_ids = gated(stages.draw, lambda: jnp.any(~greedy), draw, pick_greedy)
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
         raw = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
@@ -139,7 +151,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> Samp
         return empty.logprobs, empty.top_ids, empty.top_logprobs
 
     # A log-softmax and top-k over the whole vocabulary cost real time on CPU: only when some row asked.
-    chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(batch.wants_top_logprobs), with_logprobs, without)
+    wanted = batch.wants_top_logprobs
+    chosen, top_ids, top_logprobs = gated(stages.logprobs, lambda: jnp.any(wanted), with_logprobs, without)
     return SamplerOutput(token_ids=token_ids, logprobs=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
@@ -165,12 +178,21 @@ def no_samples(rows: int) -> SamplerOutput:
     )
 
 
-def _penalised(logits: jax.Array, batch: SamplingBatch, state: PenaltyState) -> jax.Array:
-    logits = jnp.asarray(logits, jnp.float32)
-    logits = jax.lax.cond(jnp.any(batch.constrained), _apply_bitmask, lambda x, _: x, logits, batch.token_bitmask)
-    logits = _apply_bias(logits, batch)
+def _penalised(logits: jax.Array, batch: SamplingBatch, state: PenaltyState, gate: Gate) -> jax.Array:
+    """Bitmasks, biases and penalties applied (`gate` RUN: to every row; the bitmasks of rows without a
+    grammar are all ones and their penalties neutral, so those rows come out as they went in)."""
+    raw = jnp.asarray(logits, jnp.float32)
+    masked = gated(
+        gate, lambda: jnp.any(batch.constrained), lambda: _apply_bitmask(raw, batch.token_bitmask), lambda: raw
+    )
     return apply_penalties(
-        logits, state, batch.slots, batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
+        _apply_bias(masked, batch),
+        state,
+        batch.slots,
+        batch.repetition_penalty,
+        batch.presence_penalty,
+        batch.frequency_penalty,
+        gate,
     )
 
 
@@ -179,8 +201,8 @@ def _has_penalty(batch: SamplingBatch) -> jax.Array:
 
 
 def _argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax of each row (the first maximum, or the first NaN) in two steps: the maximum of each block
-    of the row, then the best block's own argmax. XLA:CPU runs a whole-row argmax as a scalar (value,
+    """jnp.argmax of each row (the first maximum, or the first NaN); on a CPU in two steps: the maximum of each
+    block of the row, then the best block's own argmax. XLA:CPU runs a whole-row argmax as a scalar (value,
     index) reduction, ~15x slower than the blocks' vectorised maximum for SmolLM2's vocabulary."""
     rows, vocab = x.shape
     block = max(d for d in range(1, min(vocab, ARGMAX_BLOCK) + 1) if vocab % d == 0)
@@ -194,10 +216,13 @@ def _argmax(x: jax.Array) -> jax.Array:
     def whole_rows() -> jax.Array:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
 
+    def on_cpu() -> jax.Array:
+        # The vectorised maximum may skip NaN; a NaN anywhere (seen in the sum) takes the exact path.
+        return jax.lax.cond(jnp.isnan(jnp.sum(x)), whole_rows, by_blocks)
+
     if block < 64:  # a vocabulary with no useful divisor
         return whole_rows()
-    # The vectorised maximum may skip NaN; a NaN anywhere (seen in the sum) takes the exact path.
-    return jax.lax.cond(jnp.isnan(jnp.sum(x)), whole_rows, by_blocks)
+    return jax.lax.platform_dependent(cpu=on_cpu, default=whole_rows)
 
 
 def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -215,7 +240,7 @@ def _apply_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return logits.at[rows, ids].add(batch.bias_values, mode="drop")
 
 
-def _filter(scaled: jax.Array, batch: SamplingBatch, greedy: jax.Array) -> jax.Array:
+def _filter(scaled: jax.Array, batch: SamplingBatch, greedy: jax.Array, gate: Gate) -> jax.Array:
     """Keeps the tokens that pass top-k, top-p and min-p (as thresholds on the scaled logits)."""
     vocab = scaled.shape[-1]
     top_k_on = (batch.top_k > 0) & (batch.top_k < vocab)
@@ -230,9 +255,10 @@ def _filter(scaled: jax.Array, batch: SamplingBatch, greedy: jax.Array) -> jax.A
         def from_whole_rows() -> jax.Array:
             return _top_k_top_p_threshold(_sort_descending(scaled), scaled, batch, top_k_on)[0]
 
+        # (a device conditional, on a GPU too: sorting whole rows every step would cost more than its wait)
         return jax.lax.cond(jnp.all(decided | ~needed), lambda: threshold, from_whole_rows)
 
-    threshold = jax.lax.cond(jnp.any(needed), top_k_top_p, lambda: jnp.full(scaled.shape[:1], -jnp.inf))
+    threshold = gated(gate, lambda: jnp.any(needed), top_k_top_p, lambda: jnp.full(scaled.shape[:1], -jnp.inf))
     # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p); log(0) = -inf keeps everything
     threshold = jnp.maximum(threshold, scaled.max(axis=-1) + jnp.log(batch.min_p))
     return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)

@@ -39,6 +39,7 @@ from jserve.engine.sampler import (
     update_penalty_state,
 )
 from jserve.engine.speculation import DeviceProposer, ProposingRows
+from jserve.engine.stages import StepStages
 from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.models.forward import forward_states
 from jserve.models.low_rank import Adapters, SlotWeights
@@ -113,6 +114,7 @@ def engine_step(
     params_def: jax.tree_util.PyTreeDef,
     proposer: DeviceProposer | None,
     packing: StepPacking,
+    stages: StepStages,
     params: list[jax.Array],
     proposer_params: list[jax.Array],
     adapter_weights: SlotWeights | None,
@@ -130,13 +132,13 @@ def engine_step(
     adapters = None if adapter_weights is None else Adapters(step.adapter_slots, adapter_weights)
     logits, hidden, head, kv_cache = forward_states(graphdef, params_tree, kv_cache, model_input, attention, adapters)
     with jax.named_scope("prompt_scores"):  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
-        scores = score_positions(head, hidden, step.prompt_targets)
+        scores = score_positions(head, hidden, step.prompt_targets, stages.prompt_scores)
     with jax.named_scope("sampling"):
         p = step.penalties
         penalty_state = update_penalty_state(
             penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
         )
-        out = sample(logits, step.sampling, penalty_state)
+        out = sample(logits, step.sampling, penalty_state, stages)
         verified = verify_drafts(head, hidden, step.verify, step.sampling, penalty_state)
     proposals = jnp.zeros((0, 0), jnp.int32)
     if proposer is not None:
@@ -203,15 +205,16 @@ def verify_drafts(
 
 
 def jit_engine_step(out_shardings=None, platform: str = "cpu"):
-    """engine_step compiled with the carried state (KV caches, penalty state, sampled ids) donated. The
-    parameters come as a flat list, their structure static: flattening the model's State on every call cost
-    about 0.75 ms of host time per step; the step's own host arrays come packed (step_packing.py). With
+    """engine_step compiled with the carried state (KV caches, penalty state, sampled ids) donated, for the
+    optional stages it is given (static: stages.py). The parameters come as a flat list, their structure
+    static: flattening the model's State on every call cost about 0.75 ms of host time per step; the step's
+    own host arrays come packed (step_packing.py). With
     tensor parallelism the runner pins the output shardings to the input ones, so donated state keeps its
     layout step to step. `platform`: the one it compiles for (see cache_writer_compiler_options)."""
     return jax.jit(
         engine_step,
-        static_argnums=(0, 1, 2, 3, 4),
-        donate_argnums=(8, 9, 10, 11),
+        static_argnums=(0, 1, 2, 3, 4, 5),
+        donate_argnums=(9, 10, 11, 12),
         out_shardings=out_shardings,
         compiler_options=cache_writer_compiler_options(platform),
     )

@@ -1,0 +1,83 @@
+"""Which of a step's optional stages run, and who decides: the device at run time, or the host at launch.
+
+Most steps need little of what sampling can do: the stages below are left alone by plain greedy or
+temperature sampling. On a CPU or TPU the step contains each behind a device conditional (`lax.cond`) that
+skips it when no row needs it, so one executable per bucket serves every batch. On a GPU a conditional is a
+round trip to the host: XLA:GPU copies its predicate to the host and waits for it (ConditionalThunk), so the
+thread launching a step is held until the device has run the step's whole forward pass, and cannot prepare
+the next step meanwhile. There the host, which knows what each row asked for, decides instead: a step is
+compiled with the stages some row needs, which run unconditionally (rows that did not ask are unaffected),
+and without the others: an executable per combination in use (step_executables.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+import jax
+import numpy as np
+
+T = TypeVar("T")
+
+
+class Gate(enum.Enum):
+    SKIP = "skip"  # left out of the step: no row needs it
+    RUN = "run"  # runs whatever the rows ask; it must leave rows that did not ask for it as skipping would
+    WHEN_NEEDED = "when needed"  # a device conditional skips it at run time when no row needs it
+
+
+@dataclass(frozen=True)
+class StepStages:
+    """A step's optional stages (static: part of what a step is compiled for)."""
+
+    adjust: Gate = Gate.WHEN_NEEDED  # logit bias, penalties and grammar masks
+    draw: Gate = Gate.WHEN_NEEDED  # temperature, min-p and the random draw (some row samples)
+    filters: Gate = Gate.WHEN_NEEDED  # top-k and top-p
+    logprobs: Gate = Gate.WHEN_NEEDED  # the sampled token's logprob and the top ones
+    prompt_scores: Gate = Gate.WHEN_NEEDED  # prompt logprobs
+
+    def __str__(self) -> str:
+        running = [f.name for f in fields(self) if getattr(self, f.name) is Gate.RUN]
+        return "stages " + (", ".join(running) if running else "none")
+
+
+DEVICE_DECIDES = StepStages()
+
+
+def gated(gate: Gate, needed: Callable[[], jax.Array], run: Callable[[], T], skip: Callable[[], T]) -> T:
+    """run() or skip() as `gate` says; WHEN_NEEDED: a conditional on needed() (a boolean scalar)."""
+    if gate is Gate.SKIP:
+        return skip()
+    if gate is Gate.RUN:
+        return run()
+    return jax.lax.cond(needed(), run, skip)
+
+
+def host_decides(platform: str) -> bool:
+    """Whether steps on `platform` (jax.default_backend()'s name) take their stages from the host."""
+    return platform in ("gpu", "cuda", "rocm")
+
+
+def step_stages(sampling, prompt_targets: np.ndarray, vocab_size: int) -> StepStages:
+    """The stages a step's rows need, from its host arrays (a SamplingBatch of numpy arrays). Logit bias
+    rows arrive as numpy arrays only when some row has a bias (else the runner's constant on the device)."""
+
+    def gate(needed) -> Gate:
+        return Gate.RUN if needed else Gate.SKIP
+
+    sampling_rows = sampling.temperature != 0  # (as the sampler reads it: 0 is greedy)
+    top_k_on = (sampling.top_k > 0) & (sampling.top_k < vocab_size)
+    penalised = (
+        (sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0)
+    )
+    biased = isinstance(sampling.bias_ids, np.ndarray) and bool((sampling.bias_ids >= 0).any())
+    return StepStages(
+        adjust=gate(biased or penalised.any() or np.asarray(sampling.constrained).any()),
+        draw=gate(sampling_rows.any()),
+        filters=gate((sampling_rows & (top_k_on | (sampling.top_p < 1))).any()),
+        logprobs=gate(sampling.wants_top_logprobs.any()),
+        prompt_scores=gate((prompt_targets >= 0).any()),
+    )
