@@ -10,7 +10,8 @@ as it would on the chip), then reports, per bucket:
   updated in place), temporaries;
 - the kernels it launches (the entry computation's fusions, library calls and Pallas kernels) by kind, read
   off the step's named scopes (`kv_write`, `attention`, `lm_head`, `sampling`, ...) as step_profile.py does;
-  control flow (`lax.cond`, loops), whose branches run as kernels of their own;
+  control flow (`lax.cond`, loops), whose branches run as kernels of their own, and on a GPU each
+  conditional, and each pass of a loop whose trip count XLA does not know, a round trip to the host;
 - the kernels XLA's rematerialization pass added (`*.remat*`: a value recomputed for a later use instead of
   kept), which run twice every step;
 - whether every donated K/V array is aliased, and every copy or transpose of at least `--min-mb` MB: for
@@ -197,7 +198,8 @@ def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int]
         if opcode in NO_LAUNCH:
             continue
         if opcode in CONTROL_FLOW:
-            control[opcode] += 1
+            unknown_trips = opcode == "while" and "known_trip_count" not in rest
+            control["while, unknown trip count" if unknown_trips else opcode] += 1
             continue
         kind = kinds[name].kind if name in kinds else "other"
         launches[kind] += 1
@@ -303,7 +305,8 @@ def print_report(r: Report, num_layers: int) -> None:
         print(f"   rematerialized (run twice): {sum(r.rematerialized.values())} of them: "
               + ", ".join(f"{kind} {n}" for kind, n in r.rematerialized.items()))  # fmt: skip
     if r.control_flow:
-        print("   control flow (branches launch their own kernels): "
+        print("   control flow (branches launch their own kernels; on a GPU each conditional, and each pass of a "
+              "loop of unknown trip count, waits for the host): "
               + ", ".join(f"{op} {n}" for op, n in r.control_flow.items()))  # fmt: skip
     for name, megabytes, shape, origin in r.big_copies:
         print(f"   copy {name}: {megabytes} MB {shape}{'  (' + origin + ')' if origin else ''}")
