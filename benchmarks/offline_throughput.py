@@ -221,7 +221,7 @@ def main() -> None:
                   attention_backend=attention_backend, quantization=args.quantization,
                   cpu_int8_kernel=cpu_int8_kernel, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
         print(
-            f"start-up (load + compile {len(llm.engine.runner.executables)} buckets, attention "
+            f"start-up (load + compile {len(llm.engine.runner.executables)} step executables, attention "
             f"{llm.engine.runner.attention.kernel}): {time.perf_counter() - start:.1f}s"
         )
         llm.generate([[100, 101, 102]] * 2, SamplingParams(max_tokens=4), use_tqdm=False)  # first-execution costs

@@ -137,7 +137,7 @@ def test_the_workspace_bound_covers_every_compiled_steps_scratch(tiny_llama_chec
     """On CPU XLA reports each compiled step's temporary memory: the bound is above all of them."""
     llm = tiny_llm(tiny_llama_checkpoint[0], attention_backend="reference")
     runner, config = llm.engine.runner, llm.engine.runner.config
-    for bucket, executable in runner.executables.items():
+    for (bucket, _), executable in runner.executables.items():
         scratch = executable.memory_analysis().temp_size_in_bytes
         bound = step_workspace_bytes(
             runner.model.config, config.page_size, bucket, config.seq_bucket(bucket), config.max_num_seqs

@@ -147,7 +147,7 @@ def test_every_bucket_writes_the_kv_cache_in_place(llm):
     # the cache's pages or one layer's, as pages and as slots
     layouts = {(n, page_size, *row) for n in (num_pages, num_pages // cache.num_layers)}
     layouts |= {(n * page_size, *row) for n, *_ in list(layouts)}
-    for bucket, executable in llm.engine.runner.executables.items():
+    for (bucket, _), executable in llm.engine.runner.executables.items():
         copies = re.findall(r"= \w+\[([\d,]+)\][^ ]* copy\(", executable.as_text())
         assert not layouts & {tuple(map(int, dims.split(","))) for dims in copies}, f"bucket {bucket} copies pages"
 
