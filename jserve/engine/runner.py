@@ -2,7 +2,8 @@
 
 Buckets: a step's tokens are padded to the next token bucket (powers of two up to the token budget) and
 its sequences to that bucket's sequence count, so every step reuses one of a few executables, compiled at
-start-up (on GPUs also, in the background, one per combination of optional stages in use: stages.py).
+start-up (on GPUs two per bucket, and in the background one per further combination of optional sampling
+stages in use: step_executables.py).
 """
 
 from __future__ import annotations

@@ -208,9 +208,9 @@ def jit_engine_step(out_shardings=None, platform: str = "cpu"):
     """engine_step compiled with the carried state (KV caches, penalty state, sampled ids) donated, for the
     optional stages it is given (static: stages.py). The parameters come as a flat list, their structure
     static: flattening the model's State on every call cost about 0.75 ms of host time per step; the step's
-    own host arrays come packed (step_packing.py). With
-    tensor parallelism the runner pins the output shardings to the input ones, so donated state keeps its
-    layout step to step. `platform`: the one it compiles for (see cache_writer_compiler_options)."""
+    own host arrays come packed (step_packing.py). With tensor parallelism the runner pins the output
+    shardings to the input ones, so donated state keeps its layout step to step. `platform`: the one it
+    compiles for (see cache_writer_compiler_options)."""
     return jax.jit(
         engine_step,
         static_argnums=(0, 1, 2, 3, 4, 5),
