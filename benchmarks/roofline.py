@@ -191,7 +191,8 @@ def time_decode(llm: LLM, batch: int, context: int, steps: int, rng, device_deci
     device decides the optional stages, each behind a conditional (where the host decides them: GPUs)."""
     engine = llm.engine
     executables = engine.runner.steps
-    host_decides, executables.host_decides = executables.host_decides, executables.host_decides and not device_decides
+    host_decides = executables.host_decides
+    executables.host_decides = host_decides and not device_decides
     try:
         return _time_decode(engine, batch, context, steps, rng)
     finally:

@@ -145,7 +145,7 @@ class ModelRunner:
         start = time.perf_counter()
         buckets = self.config.token_buckets
         compiling: list[tuple[int, StepStages, StepInput, Future]] = []
-        variants = self.steps.warm_up_stages(self.prepare([], buckets[0]))
+        variants = self.steps.warm_up_stages()
         workers = min(COMPILE_WORKERS, os.cpu_count() or 1)
         with (
             ThreadPoolExecutor(workers, thread_name_prefix="jserve-compile") as compiler,
@@ -157,7 +157,7 @@ class ModelRunner:
                     self._exchange(bucket, step)
                 packing = self.packings[bucket] = StepPacking.of(step)
                 self.places[bucket] = Places.of(packing, step)
-                for stages in self.steps.warm_up_stages(step):
+                for stages in variants:
                     lowered = self._lowering(bucket, stages, step)()
                     compiling.append((bucket, stages, step, compiler.submit(lowered.compile)))
                 # Across hosts every process must issue its collectives (broadcasts, TP steps) in one
@@ -176,8 +176,9 @@ class ModelRunner:
 
     def _first_run(self, bucket: int, stages: StepStages, step: StepInput, compiled: Future, bar) -> None:
         """Take an executable and launch its first run (in bucket order: each donates the state)."""
-        self.steps.add(bucket, stages, compiled.result())
-        self._run(self.steps.compiled[(bucket, stages)], self.packings[bucket].pack(step))
+        executable = compiled.result()
+        self.steps.add(bucket, stages, executable)
+        self._run(executable, self.packings[bucket].pack(step))
         bar.update()
 
     @property

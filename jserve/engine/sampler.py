@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.engine.penalties import PenaltyState, apply_penalties, init_penalty_state, update_penalty_state
-from jserve.engine.stages import DEVICE_DECIDES, Gate, StepStages, gated
+from jserve.engine.stages import DEVICE_DECIDES, Gate, StepStages, filtered_rows, gated, penalised_rows, top_k_rows
 from jserve.errors import RequestError
 from jserve.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -106,7 +106,7 @@ def process_logits(
     greedy = batch.temperature == 0
     temperature = jnp.where(greedy, 1.0, jnp.maximum(batch.temperature, MIN_TEMPERATURE))
     scaled = logits / temperature[:, None]
-    return jnp.where(greedy[:, None], logits, _filter(scaled, batch, greedy, stages.filters))
+    return jnp.where(greedy[:, None], logits, _filter(scaled, batch, stages.filters))
 
 
 def sample(
@@ -126,7 +126,7 @@ def sample(
         # skipped at run time when every row is greedy (the common case when serving), and so is the copy
         # of the logits that a bias or penalty is written into when no row has either.
         def adjusted() -> jax.Array:
-            return jnp.any(batch.bias_ids >= 0) | jnp.any(_has_penalty(batch)) | jnp.any(batch.constrained)
+            return jnp.any(batch.bias_ids >= 0) | jnp.any(penalised_rows(batch)) | jnp.any(batch.constrained)
 
         def penalised() -> jax.Array:
             return _argmax(_penalised(logits, batch, state, stages.adjust))
@@ -196,10 +196,6 @@ def _penalised(logits: jax.Array, batch: SamplingBatch, state: PenaltyState, gat
     )
 
 
-def _has_penalty(batch: SamplingBatch) -> jax.Array:
-    return (batch.repetition_penalty != 1) | (batch.presence_penalty != 0) | (batch.frequency_penalty != 0)
-
-
 def _argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax of each row (the first maximum, or the first NaN); on a CPU in two steps: the maximum of each
     block of the row, then the best block's own argmax. XLA:CPU runs a whole-row argmax as a scalar (value,
@@ -240,11 +236,10 @@ def _apply_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     return logits.at[rows, ids].add(batch.bias_values, mode="drop")
 
 
-def _filter(scaled: jax.Array, batch: SamplingBatch, greedy: jax.Array, gate: Gate) -> jax.Array:
+def _filter(scaled: jax.Array, batch: SamplingBatch, gate: Gate) -> jax.Array:
     """Keeps the tokens that pass top-k, top-p and min-p (as thresholds on the scaled logits)."""
     vocab = scaled.shape[-1]
-    top_k_on = (batch.top_k > 0) & (batch.top_k < vocab)
-    needed = ~greedy & (top_k_on | (batch.top_p < 1))
+    top_k_on, needed = top_k_rows(batch, vocab), filtered_rows(batch, vocab)
 
     def top_k_top_p() -> jax.Array:
         # The best TOP_HEAD tokens usually decide both; whole rows are sorted only when they do not.

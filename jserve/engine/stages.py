@@ -45,6 +45,7 @@ class StepStages:
 
 
 DEVICE_DECIDES = StepStages()
+NO_STAGES = StepStages(*[Gate.SKIP] * len(fields(StepStages)))  # a greedy step's (and warm-up's all-padding one)
 
 
 def gated(gate: Gate, needed: Callable[[], jax.Array], run: Callable[[], T], skip: Callable[[], T]) -> T:
@@ -61,6 +62,23 @@ def host_decides(platform: str) -> bool:
     return platform in ("gpu", "cuda", "rocm")
 
 
+# Which rows need a stage, from a SamplingBatch's columns: numpy arrays on the host, jax arrays in the sampler.
+
+
+def penalised_rows(sampling):
+    return (sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0)
+
+
+def top_k_rows(sampling, vocab_size: int):
+    """Rows whose top-k leaves tokens out (0, or k of at least the vocabulary, keeps them all)."""
+    return (sampling.top_k > 0) & (sampling.top_k < vocab_size)
+
+
+def filtered_rows(sampling, vocab_size: int):
+    """Sampling rows (temperature 0 is greedy) that top-k or top-p filter."""
+    return (sampling.temperature != 0) & (top_k_rows(sampling, vocab_size) | (sampling.top_p < 1))
+
+
 def step_stages(sampling, prompt_targets: np.ndarray, vocab_size: int) -> StepStages:
     """The stages a step's rows need, from its host arrays (a SamplingBatch of numpy arrays). Logit bias
     rows arrive as numpy arrays only when some row has a bias (else the runner's constant on the device)."""
@@ -68,16 +86,11 @@ def step_stages(sampling, prompt_targets: np.ndarray, vocab_size: int) -> StepSt
     def gate(needed) -> Gate:
         return Gate.RUN if needed else Gate.SKIP
 
-    sampling_rows = sampling.temperature != 0  # (as the sampler reads it: 0 is greedy)
-    top_k_on = (sampling.top_k > 0) & (sampling.top_k < vocab_size)
-    penalised = (
-        (sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0) | (sampling.frequency_penalty != 0)
-    )
     biased = isinstance(sampling.bias_ids, np.ndarray) and bool((sampling.bias_ids >= 0).any())
     return StepStages(
-        adjust=gate(biased or penalised.any() or np.asarray(sampling.constrained).any()),
-        draw=gate(sampling_rows.any()),
-        filters=gate((sampling_rows & (top_k_on | (sampling.top_p < 1))).any()),
+        adjust=gate(biased or penalised_rows(sampling).any() or np.asarray(sampling.constrained).any()),
+        draw=gate((sampling.temperature != 0).any()),
+        filters=gate(filtered_rows(sampling, vocab_size).any()),
         logprobs=gate(sampling.wants_top_logprobs.any()),
         prompt_scores=gate((prompt_targets >= 0).any()),
     )

@@ -20,7 +20,7 @@ from dataclasses import astuple
 
 import jax
 
-from jserve.engine.stages import DEVICE_DECIDES, Gate, StepStages, step_stages
+from jserve.engine.stages import DEVICE_DECIDES, NO_STAGES, Gate, StepStages, step_stages
 
 log = logging.getLogger("jserve")
 
@@ -56,9 +56,9 @@ class StepExecutables:
             return DEVICE_DECIDES
         return step_stages(step.sampling, step.prompt_targets, self.vocab_size)
 
-    def warm_up_stages(self, step) -> list[StepStages]:
-        """What a bucket compiles at warm-up, given its all-padding step."""
-        return [self.stages(step), DEVICE_DECIDES] if self.host_decides else [DEVICE_DECIDES]
+    def warm_up_stages(self) -> list[StepStages]:
+        """What each bucket compiles at warm-up (its all-padding step needs no stage)."""
+        return [NO_STAGES, DEVICE_DECIDES] if self.host_decides else [DEVICE_DECIDES]
 
     def add(self, bucket: int, stages: StepStages, compiled: jax.stages.Compiled) -> None:
         self.compiled[(bucket, stages)] = compiled
