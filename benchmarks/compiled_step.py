@@ -10,10 +10,13 @@ as it would on the chip), then reports, per bucket:
   updated in place), temporaries;
 - the kernels it launches (the entry computation's fusions, library calls and Pallas kernels) by kind, read
   off the step's named scopes (`kv_write`, `attention`, `lm_head`, `sampling`, ...) as step_profile.py does;
-  control flow (`lax.cond`, loops), whose branches run as kernels of their own, and on a GPU each
-  conditional, and each pass of a loop whose trip count XLA does not know, a round trip to the host;
+  control flow (`lax.cond`, loops), whose branches run as kernels of their own;
 - the kernels XLA's rematerialization pass added (`*.remat*`: a value recomputed for a later use instead of
   kept), which run twice every step;
+- on a GPU, how many CUDA graphs (XLA's command buffers) the step launches, and what the host launches
+  outside them, one by one (XLA records kernels and, with CUDA 12.3 or later, library calls and conditionals
+  into the graphs; not loops: a loop's passes are launched from the host, and where XLA does not know its
+  trip count, each pass waits for the device to say whether to go on);
 - whether every donated K/V array is aliased, and every copy or transpose of at least `--min-mb` MB: for
   carried state (the K/V cache, the penalty state, held logits) a copy means the buffer is copied every step
   instead of updated in place. (A TPU's asynchronous copies between HBM and VMEM, its compiler's prefetches,
@@ -40,6 +43,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -93,7 +97,8 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "s32"
 
 
 def gpu_target_config(spec: dict) -> str:
-    """An H100's or H200's GpuTargetConfig (text proto): sm_90, 132 SMs."""
+    """An H100's or H200's GpuTargetConfig (text proto): sm_90, 132 SMs; a CUDA 12.8 runtime and driver (from
+    12.3 XLA records library calls and conditionals into the step's CUDA graphs too)."""
     return f"""
 gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
@@ -102,6 +107,7 @@ gpu_device_info {{
   memory_bandwidth: {int(spec["bandwidth"])} l2_cache_size: 52428800 clock_rate_ghz: 1.98
   device_memory_size: {spec["memory"]} shared_memory_per_block_optin: 232448
   cuda_compute_capability {{ major: 9 }} registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  driver_version: "12.8.0"
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 8 }}
@@ -151,6 +157,9 @@ class Report:
     control_flow: dict[str, int]  # opcode: count (their branches' kernels are not in `launches`)
     kv_aliased: bool  # every donated K/V array is updated in place
     rematerialized: dict[str, int]  # kind: launches XLA's rematerialization pass added (REMAT_NAME)
+    # GPUs: the step's CUDA graphs (command buffers), and what runs outside them ("kind name", in order)
+    graphs: int | None = None
+    outside_graphs: list[str] = field(default_factory=list)
     # (op, MB, shape, where from: its op name, or the carried state of its shape)
     big_copies: list[tuple[str, float, str, str]] = field(default_factory=list)
 
@@ -226,6 +235,31 @@ def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int]
     )
 
 
+def command_buffers(dump_dir: Path, hlo: str) -> tuple[int, list[str]] | None:
+    """The CUDA graphs (command buffers) in XLA:GPU's thunk sequence of the step dumped in `dump_dir`, and the
+    top-level thunks between them, each as "kind instruction (op name)"; None if this XLA dumps no thunk
+    sequence."""
+    # (the sequence after XLA's thunk passes, which make the command buffers, is dumped only if they did)
+    sequence = sorted(dump_dir.glob("*jit_engine_step*thunk_sequence_after_thunk_passes.txt")) or sorted(
+        dump_dir.glob("*jit_engine_step*thunk_sequence.txt")
+    )
+    metadata = sorted(dump_dir.glob("*jit_engine_step*thunk_metadata.txt"))
+    if not sequence:
+        return None
+    annotations = metadata[-1].read_text() if metadata else ""
+    names = {int(i): n for n, i in re.findall(r'profile_annotation: "(.*?)"\s*thunk_id: (\d+)', annotations)}
+    graphs, outside = 0, []
+    for kind_id, kind in re.findall(r"^(\d+): (k\w+)", sequence[-1].read_text(), re.MULTILINE):  # (top level)
+        if kind == "kCommandBuffer":
+            graphs += 1
+            continue
+        name = names.get(int(kind_id), "")
+        op_name = re.search(rf"%{re.escape(name)} = [^\n]*?op_name=\"([^\"]*)\"", hlo) if name else None
+        where = re.sub(r"jit\((\w+)\)/", "", op_name.group(1)) if op_name else ""  # (scopes and primitive)
+        outside.append(f"{kind[1:]} {name}{f' ({where})' if where else ''}".strip())
+    return graphs, outside
+
+
 def build_runner(args) -> ModelRunner:
     """A runner of a tiny model with the engine settings of the GPU run: its batch preparation is what the 8B
     step is lowered from (its own weights, cache and CPU-compiled step are never used)."""
@@ -286,9 +320,15 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
         start = time.perf_counter()
         with jax.sharding.use_abstract_mesh(context):
             lowered = step_fn.trace(*call).lower()
-        compiled = lowered.compile()
-        hlo = compiled.as_text()
-        report = inspect(hlo, bucket, time.perf_counter() - start, compiled.memory_analysis(), kv_params, args.min_mb)
+        with tempfile.TemporaryDirectory() as dump_dir:
+            # (on a GPU, XLA's dump of the step has its thunk sequence: how the step's kernels make CUDA graphs)
+            dumps = {"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": "jit_engine_step"}
+            compiled = lowered.compile(dumps if platform == "gpu" else None)
+            hlo = compiled.as_text()
+            elapsed = time.perf_counter() - start
+            report = inspect(hlo, bucket, elapsed, compiled.memory_analysis(), kv_params, args.min_mb)
+            if platform == "gpu" and (grouped := command_buffers(Path(dump_dir), hlo)):
+                report.graphs, report.outside_graphs = grouped
         results.append((report, hlo))
         print_report(report, config.num_layers)
     return results
@@ -305,9 +345,12 @@ def print_report(r: Report, num_layers: int) -> None:
         print(f"   rematerialized (run twice): {sum(r.rematerialized.values())} of them: "
               + ", ".join(f"{kind} {n}" for kind, n in r.rematerialized.items()))  # fmt: skip
     if r.control_flow:
-        print("   control flow (branches launch their own kernels; on a GPU each conditional, and each pass of a "
-              "loop of unknown trip count, waits for the host): "
+        print("   control flow (branches launch kernels of their own): "
               + ", ".join(f"{op} {n}" for op, n in r.control_flow.items()))  # fmt: skip
+    if r.graphs is not None:
+        outside = f"; launched from the host outside them: {', '.join(r.outside_graphs)}" if r.outside_graphs else ""
+        plural = "s" if r.graphs != 1 else ""
+        print(f"   {r.graphs} CUDA graph{plural} (XLA command buffer{plural}){outside}")
     for name, megabytes, shape, origin in r.big_copies:
         print(f"   copy {name}: {megabytes} MB {shape}{'  (' + origin + ')' if origin else ''}")
     if not r.big_copies:

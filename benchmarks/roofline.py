@@ -11,8 +11,8 @@ answer. The roofline time of the same work is max(bytes / bandwidth, FLOPs / pea
   4 * heads * head_dim per layer per (query, key) pair attended.
 
 `--conditionals-batch B` also decodes at B on the step whose device decides its optional sampling stages
-(each behind a conditional, which on a GPU is a round trip to the host; jserve/engine/stages.py), the
-baseline for the steps the host decides them for.
+(each behind a conditional: on a GPU, part of the step's CUDA graph from CUDA 12.3, a round trip to the
+host below it; jserve/engine/stages.py), the baseline for the steps the host decides them for.
 
 It is given twice: from the device's data sheet (dense bfloat16; only for devices named in SPECS), and
 from what this run measured: a jitted sum over a large array (bandwidth) and a large matmul through the

@@ -69,7 +69,9 @@ def prefill_rows(starts, q_lens, first_pos, num_tokens: int, block_q: int) -> ja
     rows_per_seq = jnp.where(q_lens > 1, pl.cdiv(q_lens, block_q), 0)
     row_ends = jnp.cumsum(rows_per_seq)
     row = jnp.arange(max_rows)
-    seq = jnp.minimum(jnp.searchsorted(row_ends, row, side="right"), num_seqs - 1)
+    # compare_all: one elementwise kernel ([R, S] compares), where the default binary search is a loop that
+    # XLA:GPU runs from the host, outside the step's CUDA graph.
+    seq = jnp.minimum(jnp.searchsorted(row_ends, row, side="right", method="compare_all"), num_seqs - 1)
     offset = (row - (row_ends[seq] - rows_per_seq[seq])) * block_q
     count = jnp.where(row < row_ends[-1], jnp.clip(q_lens[seq] - offset, 0, block_q), 0)
     return jnp.stack([starts[seq] + offset, count, first_pos[seq] + offset, seq], axis=1).astype(jnp.int32)

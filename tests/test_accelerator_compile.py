@@ -4,8 +4,8 @@ Lowering (tests/test_accelerator_lowering.py) checks that every operation has a 
 what the accelerator's own compiler decides: Mosaic compiling the TPU attention kernel (which interpret mode
 cannot check: page tables whose width is not a multiple of 128 once failed there), and XLA:GPU's buffer
 assignment (carried state that left a `lax.cond` was copied every step: jserve/engine/carried_state.py),
-rematerialization (jserve/attention/kv_cache.py, cache_writer_compiler_options), and the device conditionals
-left in a step (each holds the launching thread until the device reaches it: jserve/engine/stages.py).
+rematerialization (jserve/attention/kv_cache.py, cache_writer_compiler_options), the device conditionals
+left in a step (jserve/engine/stages.py), and the CUDA graphs the step's kernels make.
 Both run `benchmarks/compiled_step.py` in a process of its own, which fetches the compiler plugins into
 jserve's cache on first use (the CUDA plugin with ptxas, and libtpu: about 1.3 GB from the package index,
 which the suite needs as it needs it for the default model).
@@ -31,8 +31,10 @@ def compile_for(target: str, tmp_path: Path, *options: str) -> list[dict]:
 def test_an_8b_step_for_an_h200_updates_its_carried_state_in_place(tmp_path):
     """A lone decode (held logits written over one row) and a full bucket (over all of them), with a 48 GiB
     cache: the K/V cache aliased, no copy of 1 MB or more (before carried_state.py, 164–295 MB were copied
-    every step), and nothing computed twice (XLA's rematerialization, which counts each in-place K/V write as
-    a new cache, recomputed 45 and 134 kernels, an attention output projection in 31 layers at 256)."""
+    every step), nothing computed twice (XLA's rematerialization, which counts each in-place K/V write as
+    a new cache, recomputed 45 and 134 kernels, an attention output projection in 31 layers at 256), and
+    every kernel in one CUDA graph (a loop, or the sampled tokens' memcpy, once launched from the host
+    between two: prefill rows' binary search at 256, `.at[:rows].set` at 1)."""
     reports = compile_for("h200", tmp_path, "--buckets", "1", "256", "--kv-cache-gib", "48")
     for report in reports:
         assert report["kv_aliased"], report
@@ -41,6 +43,7 @@ def test_an_8b_step_for_an_h200_updates_its_carried_state_in_place(tmp_path):
         assert report["launches"]["attention"] >= 32  # the Triton kernel, for each of the 32 layers
         assert "conditional" not in report["control_flow"], report  # a greedy step: no optional stage
         assert "while, unknown trip count" not in report["control_flow"], report
+        assert (report["graphs"], report["outside_graphs"]) == (1, []), report
 
 
 def test_an_8b_step_for_an_h200_runs_its_stages_without_device_conditionals(tmp_path):

@@ -2,12 +2,14 @@
 
 Most steps need little of what sampling can do: the stages below are left alone by plain greedy or
 temperature sampling. On a CPU or TPU the step contains each behind a device conditional (`lax.cond`) that
-skips it when no row needs it, so one executable per bucket serves every batch. On a GPU a conditional is a
-round trip to the host: XLA:GPU copies its predicate to the host and waits for it (ConditionalThunk), so the
-thread launching a step is held until the device has run the step's whole forward pass, and cannot prepare
-the next step meanwhile. There the host, which knows what each row asked for, decides instead: a step is
-compiled with the stages some row needs, which run unconditionally (rows that did not ask are unaffected),
-and without the others: an executable per combination in use (step_executables.py).
+skips it when no row needs it, so one executable per bucket serves every batch. On a GPU the host, which
+knows what each row asked for, decides instead: a step is compiled with the stages some row needs, which run
+unconditionally (rows that did not ask are unaffected), and without the others: an executable per
+combination in use (step_executables.py). Its executable is smaller (no branch's kernels, no memory held for
+the branch not taken: 93 MiB of temporaries instead of 646 at 256 rows of an 8B model), and it needs no
+device conditional, which XLA records into the step's CUDA graph only from CUDA 12.3 (runtime and driver):
+below that, each copies its predicate to the host and waits for the device (XLA's ConditionalThunk), holding
+the thread that launches the step until the device has run its forward pass.
 """
 
 from __future__ import annotations

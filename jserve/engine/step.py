@@ -153,7 +153,10 @@ def engine_step(
     num_rows = out.token_ids.shape[0]
     with jax.named_scope("sampling"):
         held = hold_logits(sampled.held_logits, logits, step.deferred)
-        sampled = Sampled(sampled.token_ids.at[:num_rows].set(out.token_ids), held)
+        # (a concatenation, not `.at[:num_rows].set`: XLA:GPU makes that update a memcpy outside the step's
+        # CUDA graph, splitting it in two)
+        tokens = jnp.concatenate([out.token_ids, sampled.token_ids[num_rows:]])
+        sampled = Sampled(tokens, held)
     outputs = StepOutput(pack_samples(out), pack_samples(verified), proposals, scores)
     return outputs, kv_cache, proposer_kv, penalty_state, sampled
 
