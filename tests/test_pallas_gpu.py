@@ -72,18 +72,26 @@ def test_default_block_sizes_match_reference():
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,dtype,window,soft_cap",
-    [(32, 8, 128, "bfloat16", None, None), (9, 3, 64, "float32", 16, None), (16, 16, 64, "bfloat16", None, 30.0)],
+    "heads,kv_heads,head_dim,dtype,window,soft_cap,kernels",
+    [
+        (32, 8, 128, "bfloat16", None, None, 2),
+        (9, 3, 64, "float32", 16, None, 3),
+        (16, 16, 64, "bfloat16", None, 30.0, 2),
+    ],
     ids=["llama8b-bf16", "gqa3-f32-window", "mha-softcap"],
 )
-def test_kernel_lowers_to_triton(heads, kv_heads, head_dim, dtype, window, soft_cap):
+def test_kernel_lowers_to_triton(heads, kv_heads, head_dim, dtype, window, soft_cap, kernels):
+    """Prefill and decode kernels; with 3 KV heads, 64 sequence slots leave SMs to fill: decodes split (2), and
+    the kernel merging their splits lowers too."""
     kernel = partial(ragged_paged_attention, scale=head_dim**-0.5, sliding_window=window, soft_cap=soft_cap)
     text = lowered_kernel_text(kernel, heads, kv_heads, head_dim, dtype, page_size=16, max_pages=128)
-    assert text.count("__gpu$xla.gpu.triton") == 2  # the prefill and the split-KV decode kernel
+    assert text.count("__gpu$xla.gpu.triton") == kernels
+    assert ("ragged_paged_attention_merge" in text) == (kernels == 3)
 
 
 def launches_in(text: str) -> list[tuple[int, int, int]]:
-    """(num_warps, num_stages, grid_z) of each Triton call of a lowered kernel: prefill first, then decode."""
+    """(num_warps, num_stages, grid_z) of each Triton call of a lowered kernel: prefill, decode, the merge of a
+    decode's splits."""
     configs = re.findall(r"grid_z = (\d+) : i32.*?num_stages = (\d+) : i32, num_warps = (\d+) : i32", text)
     return [(int(warps), int(stages), int(grid_z)) for grid_z, stages, warps in configs]
 
@@ -100,8 +108,9 @@ def test_launch_settings_are_the_ones_measured_for_the_gpu_and_shape(monkeypatch
         kernel = partial(ragged_paged_attention, scale=0.1, device_kind=device_kind)
         return lowered_kernel_text(kernel, 32, 8, 128, "bfloat16", page_size=16, max_pages=128)
 
-    # decode splits: 8 programs per SM x 132 SMs over 64 sequences x 8 KV heads = 3 (rounded up)
-    assert launches_in(lowered("NVIDIA H200")) == [(2, 1, 1), (8, 3, 3)]
+    # decode splits: 8 programs per SM x 132 SMs over 64 sequences x 8 KV heads = 3 (rounded up), then
+    # the kernel merging them (one warp, whatever the GPU)
+    assert launches_in(lowered("NVIDIA H200")) == [(2, 1, 1), (8, 3, 3), (1, 3, 1)]
     assert launches_in(lowered("NVIDIA H100 80GB HBM3")) == [(4, 2, 1), (4, 2, 1)]
 
 

@@ -5,10 +5,10 @@ sequence. One program attends one row for one KV head, so all of the head's quer
 each K/V tile: the query tile is [row tokens x query heads, head_dim].
 
 - Decode rows (sequences with one new token) are split-KV (flash-decoding): the context is divided
-  among `kv_splits` programs, which write partial outputs with their log-sum-exp; a small XLA
-  reduction merges them. Few long sequences still fill the GPU this way; a step with enough sequence
-  slots to fill it runs one split (`split_rows.decode_splits`), whose programs write their outputs in
-  place as prefill rows do (no partials, no merge kernels).
+  among `kv_splits` programs, which write partial outputs with their log-sum-exp; a small kernel merges
+  them into the output, in place. Few long sequences still fill the GPU this way; a step with enough
+  sequence slots to fill it runs one split (`split_rows.decode_splits`), whose programs write their outputs
+  in place as prefill rows do (no partials, no merge).
 - Prefill rows hold up to `block_q` tokens and walk their context in one program, skipping K/V blocks
   past the causal limit of their last token or before the sliding window of their first.
 
@@ -39,7 +39,6 @@ from pallas_kernels.split_rows import (
     decode_rows,
     decode_splits,
     default_pages_per_block,
-    merge_splits,
     prefill_rows,
     sequence_spans,
     split_tables,
@@ -121,8 +120,7 @@ def ragged_paged_attention(
     if kv_splits == 1:  # whole contexts: written in place as prefill rows are, no partials to merge
         return _attend_rows(q, k_pages, v_pages, tables, offset, rows, out, 1, 1, **kernel_args)
     partial_out, lse = _attend_rows(q, k_pages, v_pages, tables, offset, rows, None, 1, kv_splits, **kernel_args)
-    decode_out = merge_splits(partial_out, lse, axis=1).astype(q.dtype)  # [S, heads, head_dim]
-    return out.at[jnp.where(q_lens == 1, starts, num_tokens)].set(decode_out, mode="drop")
+    return _merge_splits(rows, partial_out, lse, out, kv_splits, interpret=interpret)
 
 
 def _pages_per_block(pages_per_block: int | None, page_size: int, page_tables) -> int:
@@ -153,7 +151,7 @@ def _attend_rows(
 
     Given `out` (prefill rows, one split), it writes normalised outputs into it (aliased, in place) at the
     rows' tokens; otherwise (decode rows, one token each) it returns (partials [R, splits, heads, D],
-    their log-sum-exps [R, splits, heads]).
+    their log-sum-exps [R, splits, heads]) of kv_splits splits, padded to a power of two (the rest unwritten).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
@@ -176,9 +174,10 @@ def _attend_rows(
         aliases = {6: 0}
         operands = (rows, tables, offset, q, k_pages, v_pages, out)
     else:
+        splits = pl.next_power_of_2(kv_splits)  # (the merge loads the split axis whole: Triton's blocks are)
         out_shape = (
-            jax.ShapeDtypeStruct((num_rows, kv_splits, num_heads, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_rows, kv_splits, num_heads), jnp.float32),
+            jax.ShapeDtypeStruct((num_rows, splits, num_heads, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_rows, splits, num_heads), jnp.float32),
         )
         aliases = {}
         operands = (rows, tables, offset, q, k_pages, v_pages)
@@ -271,6 +270,38 @@ def _row_kernel(
         out_ref = out_refs[1]
         out = out.reshape(block_q, heads_tile, head_dim).astype(out_ref.dtype)
         plt.store(out_ref.at[tokens, heads, :], out, mask=q_mask)
+
+
+def _merge_splits(rows, partials, lse, out, kv_splits: int, *, interpret: bool) -> jax.Array:
+    """Each decode row's split partials [R, splits, heads, D] weighted by their log-sum-exps [R, splits, heads],
+    written into `out` [T, heads, D] (aliased, in place) at the row's token: one kernel a step. (In XLA the
+    weights took a kernel of their own beyond 8 splits, and a lone decode has up to MAX_KV_SPLITS.)"""
+    num_rows, _, num_heads, _ = partials.shape
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, kv_splits=kv_splits),
+        out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+        grid=(num_rows, num_heads),
+        input_output_aliases={3: 0},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=1),
+        name="ragged_paged_attention_merge",
+    )(rows, partials, lse, out)
+
+
+def _merge_kernel(rows_ref, partial_ref, lse_ref, _, out_ref, *, kv_splits: int):
+    """One query head of one decode row: its splits' partials [splits, D] merged (a softmax over their
+    log-sum-exps; a split that saw nothing has MASK_VALUE and weighs 0)."""
+    row, head = pl.program_id(0), pl.program_id(1)
+    token, count = rows_ref[row, 0], rows_ref[row, 1]
+    splits = partial_ref.shape[1]  # kv_splits padded to a power of two: the rest is unwritten, masked here
+    present = jnp.arange(splits) < kv_splits
+    lse = plt.load(lse_ref.at[row, pl.ds(0, splits), head], mask=present, other=MASK_VALUE)
+    weights = jnp.where(lse > MASK_VALUE / 2, jnp.exp(lse - lse.max()), 0.0)
+    partials = plt.load(partial_ref.at[row, pl.ds(0, splits), head, :], mask=present[:, None], other=0.0)
+    total = weights.sum()
+    merged = (partials * weights[:, None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)
+    written = jnp.full(merged.shape, count > 0)  # (rows past the step's decodes have no token here)
+    plt.store(out_ref.at[token, head, :], merged.astype(out_ref.dtype), mask=written)
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
