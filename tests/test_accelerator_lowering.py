@@ -122,11 +122,13 @@ def test_an_8b_step_with_lora_adapters_lowers_for_the_accelerator(runner, platfo
 
 @pytest.mark.parametrize("dtype,kernel_call", [(jnp.bfloat16, MOSAIC_GPU_CALL), (jnp.float32, TRITON_CALL)])
 def test_the_mosaic_gpu_backend_lowers_its_kernel_or_falls_back_to_triton(runner, dtype, kernel_call):
-    """bfloat16 pages take the Hopper kernel; float32 ones, which WGMMA cannot multiply exactly, the Triton one."""
+    """bfloat16 pages take the Hopper kernel; float32 ones, which WGMMA cannot multiply exactly, the Triton one.
+    (A lone decode's norms are Triton kernels either way: pallas_kernels/gpu/rms_norm.py.)"""
     attention = resolve_attention_backend("pallas-mosaic-gpu", platform="gpu")
-    other = TRITON_CALL if kernel_call == MOSAIC_GPU_CALL else MOSAIC_GPU_CALL
     for text in lower_step(runner, "cuda", attention, dtype=dtype):
-        assert kernel_call in text and other not in text
+        assert kernel_call in text
+        assert (MOSAIC_GPU_CALL in text) == (kernel_call == MOSAIC_GPU_CALL)
+        assert ('name = "ragged_paged_attention' in text) == (kernel_call == TRITON_CALL)
 
 
 @pytest.mark.parametrize("quantization", INT8_MODES)
