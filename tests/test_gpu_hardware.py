@@ -56,7 +56,8 @@ def test_mosaic_gpu_kernel_matches_reference(name, blocks):
 @pytest.mark.parametrize("variant", ["llama", "mistral-sliding", "gemma2"])
 def test_engine_on_triton_kernel_matches_transformers(tmp_path, variant):
     """float32 greedy tokens on the GPU's Triton kernel equal transformers' (and the reference backend's),
-    with chunked prefills beside decodes."""
+    with chunked prefills beside decodes; and a prompt alone (one-token steps: the split-KV merge kernel and
+    the single-row norm kernel) gives the tokens it gave in the batch."""
     family, overrides = VARIANTS[variant]
     hf_model = save_tiny_checkpoint(tmp_path, family, **overrides)
     batch = prompts(6, seed=11, low=5, high=90)
@@ -65,6 +66,7 @@ def test_engine_on_triton_kernel_matches_transformers(tmp_path, variant):
         pallas = tiny_llm(tmp_path, attention_backend="pallas", max_num_batched_tokens=32)
         assert pallas.engine.runner.attention.kernel == "pallas-gpu"
         got = token_ids(pallas.generate(batch, params, use_tqdm=False))
+        assert token_ids(pallas.generate(batch[:1], params, use_tqdm=False)) == got[:1]
         assert_engine_idle(pallas)
         reference = tiny_llm(tmp_path, attention_backend="reference", max_num_batched_tokens=32)
         assert got == token_ids(reference.generate(batch, params, use_tqdm=False))
