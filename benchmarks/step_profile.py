@@ -33,7 +33,8 @@ import numpy as np
 
 from jserve import LLM, SamplingParams
 
-SCOPES = ("kv_write", "attention", "lm_head", "sampling", "prompt_scores", "proposer")  # named in the step
+# Named in the step (jax.named_scope): an op's kind is the first of these its name path holds.
+SCOPES = ("kv_write", "attention", "norm", "rope", "lm_head", "sampling", "prompt_scores", "proposer")
 KINDS = (*SCOPES, "matmul", "copy", "other")
 MATMUL_TARGETS = re.compile(r"cublas|gemm|matmul|jserve_gguf_linear|jserve_int8_linear|dot", re.IGNORECASE)
 CONTROL_FLOW = {"conditional", "while", "call"}  # on the CPU their thunks hold their branches' thunks

@@ -23,6 +23,7 @@ class RMSNorm(nnx.Module):
         return self.weight[...], self.eps
 
 
+@jax.named_scope("norm")  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     if x.size == x.shape[-1]:  # a single row (a lone decode's): on GPUs one kernel, not XLA's two (see there)
         gpu = functools.partial(rms_norm_row, eps=eps)

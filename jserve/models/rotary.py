@@ -69,6 +69,7 @@ def rope_angles(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) 
     return jax.lax.cond(positions[0] >= 0, tables, tables, positions)
 
 
+@jax.named_scope("rope")  # (scopes name the step's parts in profiles: benchmarks/step_profile.py)
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [T, heads, head_dim] rotated by its token's angles (its leading cos.shape[-1] dims; the rest pass)."""
     dim = cos.shape[-1]
