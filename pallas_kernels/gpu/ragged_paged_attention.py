@@ -274,8 +274,8 @@ def _row_kernel(
 
 def _merge_splits(rows, partials, lse, out, kv_splits: int, *, interpret: bool) -> jax.Array:
     """Each decode row's split partials [R, splits, heads, D] weighted by their log-sum-exps [R, splits, heads],
-    written into `out` [T, heads, D] (aliased, in place) at the row's token: one kernel a step. (In XLA the
-    weights took a kernel of their own beyond 8 splits, and a lone decode has up to MAX_KV_SPLITS.)"""
+    written into `out` [T, heads, D] (aliased, in place) at the row's token: one kernel a step. (XLA's merge
+    gave the weights a kernel of their own from 8 splits on, and a lone decode has up to MAX_KV_SPLITS.)"""
     num_rows, _, num_heads, _ = partials.shape
     return pl.pallas_call(
         functools.partial(_merge_kernel, kv_splits=kv_splits),
