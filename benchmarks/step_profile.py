@@ -208,9 +208,11 @@ def reduce_trace(ops: list[OpTime], kinds: dict[str, Op], steps: int, wall_s: fl
     )
 
 
-# Kernels a trace may name by themselves rather than by their HLO op: libraries' GEMMs, attention kernels, copies.
+# Kernels a trace may name by themselves rather than by their HLO op: libraries' GEMMs, Pallas kernels
+# (attention and its merge, a single row's norm), copies.
 LIBRARY_KERNELS = ((re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|gmma", re.IGNORECASE), "matmul"),
                    (re.compile(r"attention", re.IGNORECASE), "attention"),
+                   (re.compile(r"rms_norm", re.IGNORECASE), "norm"),
                    (re.compile(r"memcpy|memset", re.IGNORECASE), "copy"))  # fmt: skip
 
 

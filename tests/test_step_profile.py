@@ -62,14 +62,16 @@ def test_a_traced_decode_reduces_to_a_table(step_profile, llm):
 
 
 def test_gpu_kernel_names_find_their_ops(step_profile):
-    """A GPU trace names kernels by their HLO op, by the op with `_` for its `.`, or (libraries' GEMMs) by
-    themselves; what none of these finds is counted apart, by name."""
+    """A GPU trace names kernels by their HLO op, by the op with `_` for its `.`, or (libraries' GEMMs, Pallas
+    kernels) by themselves; what none of these finds is counted apart, by name."""
     Op, OpTime = step_profile.Op, step_profile.OpTime
     kinds = {"fusion.3": Op("fusion", "other", ""), "custom-call.7": Op("custom-call", "attention", ""),
              "cond.1": Op("conditional", "other", "")}  # fmt: skip
     ops = [OpTime("fusion_3", 0, 10), OpTime("custom-call.7", 10, 30), OpTime("sm90_xmma_gemm_bf16", 40, 50),
-           OpTime("cond.1", 0, 90), OpTime("mystery_kernel", 90, 5)]  # fmt: skip
+           OpTime("cond.1", 0, 90), OpTime("mystery_kernel", 90, 5), OpTime("rms_norm_row", 30, 10)]  # fmt: skip
     profile = step_profile.reduce_trace(ops, kinds, steps=1, wall_s=1e-6, batch=1)
-    assert {kind: ms for kind, (ms, _) in profile.kinds.items()} == {"attention": 3e-5, "matmul": 5e-5, "other": 1e-5}
+    assert {kind: ms for kind, (ms, _) in profile.kinds.items()} == {
+        "attention": 3e-5, "norm": 1e-5, "matmul": 5e-5, "other": 1e-5
+    }  # fmt: skip
     assert profile.unmatched == 1 and profile.unmatched_names == ["mystery_kernel"]
     assert profile.busy_ms == 9e-5 and profile.idle_ms == 0
