@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # (when imported by pa
 from step_profile import op_kinds, split_instruction  # noqa: E402
 
 from jserve.attention import KVPages, resolve_attention_backend  # noqa: E402
+from jserve.config import ModelConfig  # noqa: E402
 from jserve.engine.config import EngineConfig, SchedulePolicy  # noqa: E402
 from jserve.engine.penalties import init_penalty_state  # noqa: E402
 from jserve.engine.runner import ModelRunner  # noqa: E402
@@ -292,7 +293,7 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
 
     runner = build_runner(args)
     step_fn = jit_engine_step(platform=platform)  # the runner's, as a runner on the target makes it
-    config = MODEL_SHAPES[args.shape]
+    config = shape_layers(MODEL_SHAPES[args.shape], args.layers)
     dtype = jnp.bfloat16
     graphdef, params_tree = abstract_model(config, dtype, "none")
     params, params_def = jax.tree_util.tree_flatten(params_tree)
@@ -334,6 +335,14 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
     return results
 
 
+def shape_layers(config: ModelConfig, layers: int | None) -> ModelConfig:
+    """The shape with its first `layers` layers (None: all)."""
+    if layers is None:
+        return config
+    return replace(config, num_layers=layers, sliding_windows=config.sliding_windows[:layers],
+                   moe_layers=config.moe_layers[:layers])  # fmt: skip
+
+
 def print_report(r: Report, num_layers: int) -> None:
     total = sum(r.launches.values())
     print(f"\n== bucket {r.bucket}: compiled in {r.compile_s} s; arguments {r.argument_gib} GiB, "
@@ -361,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", choices=TARGETS, default="h200")
     parser.add_argument("--shape", choices=MODEL_SHAPES, default="llama3-8b")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="compile the shape's first N layers only (each layer compiles alike: quicker)")  # fmt: skip
     parser.add_argument("--buckets", type=int, nargs="+", default=[1, 256, 2048], help="step buckets (tokens)")
     parser.add_argument("--attention", default="auto", choices=["auto", "pallas", "pallas-mosaic-gpu", "reference"])
     parser.add_argument("--max-num-seqs", type=int, default=256)

@@ -134,11 +134,19 @@ def test_the_mosaic_gpu_backend_lowers_its_kernel_or_falls_back_to_triton(runner
 @pytest.mark.parametrize("quantization", INT8_MODES)
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_a_mixture_of_experts_step_lowers_for_the_accelerator(runner, platform, quantization):
-    """An 8B-shaped Mixtral-style model (8 experts, top 2): float experts run as XLA's ragged_dot there, int8
-    ones as the tiled walk through int8 dots (the CPU's path); no C++ kernel either way."""
+    """An 8B-shaped Mixtral-style model (8 experts, top 2): on GPUs every expert projection is the Pallas
+    grouped matmul (XLA:GPU's ragged_dot would multiply every row by every expert), float or int8; on TPUs
+    float experts run as XLA's ragged_dot, int8 ones as the tiled walk through int8 dots (the CPU's path);
+    no C++ kernel either way."""
     moe = dataclasses.replace(MODEL_SHAPES["llama3-8b"], family="mixtral", num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=14336)  # fmt: skip
     attention = resolve_attention_backend("auto", platform=PLATFORMS[platform][0])
     for text in lower_step(runner, platform, attention, quantization, config=moe):
-        assert ("ragged_dot" in text) == (quantization == "none")
+        grouped_kernels = len(re.findall(r'name = "grouped_matmul"', text))
+        if platform == "cuda":
+            assert "ragged_dot" not in text
+            assert grouped_kernels >= 2  # gate/up and down (the text holds each distinct kernel once)
+        else:
+            assert ("ragged_dot" in text) == (quantization == "none")
+            assert grouped_kernels == 0
         assert "jserve_" not in text

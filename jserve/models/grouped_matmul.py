@@ -1,11 +1,15 @@
 """Grouped matmul: rows sorted by group (a mixture of experts' tokens by expert), each group's rows times its
 own weight, in fixed shapes and at a cost that grows with the rows, not with rows × groups.
 
-On GPUs and TPUs float weights go through XLA's `ragged_dot` (megablox-style kernels). On CPU, jax's
-ragged_dot computes every row against every group's weight (32 experts: ~38x a dense matmul of the same
-rows, measured), so jserve walks the sorted rows in tiles instead: each (tile, group) pair that shares rows
-is one [tile, in] x [in, out] matmul with the other groups' rows masked out, at most tiles + groups - 1 of
-them. int8 weights (with a scale per output) take the tiled path everywhere, through XLA's int8 dot.
+Each platform takes the form that does this there:
+- NVIDIA GPUs: a Pallas (Triton) kernel, `pallas_kernels.gpu.grouped_matmul`, for float and int8 weights
+  alike. XLA:GPU's own `ragged_dot` multiplies every row by every group's weight (a dense GEMM over the rows
+  broadcast to each group, masked: its RaggedDotRewriter), 128x the work for Qwen3-MoE's 128 experts.
+- TPUs: XLA's `ragged_dot` for float weights (a grouped kernel of XLA:TPU's own).
+- CPUs, and int8 weights off NVIDIA GPUs: the sorted rows walked in tiles. Each (tile, group) pair that shares
+  rows is one [tile, in] x [in, out] matmul with the other groups' rows masked out, at most tiles + groups - 1
+  of them (jax's ragged_dot on CPU computes every row against every group's weight: 32 experts, ~38x a
+  dense matmul of the same rows, measured); int8 weights go through XLA's int8 dot.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jserve.models.quantization import int8_matmul
+from jserve.models.quantization import int8_matmul, quantize_groups
 
 TILE_ROWS = 32
 # Rows [M, in] against weights [G, out, in] (each group's checkpoint layout), grouped along M.
@@ -30,16 +34,31 @@ def grouped_matmul(
     """x [M, in], its rows sorted by group; w [G, out, in] (int8 with `scale` [G, out] when quantized, its
     activations in `activation_group`'s scheme); group_sizes int32 [G] with sum <= M: rows past the last
     group are padding and come back as zeros. -> [M, out] in x's dtype."""
-    if scale is not None:
-        return _tiled(x, w, group_sizes, scale, activation_group)
     # Chosen by the platform the step is lowered for, so a CPU host can lower an accelerator's step.
-    return jax.lax.platform_dependent(
-        x, w, group_sizes, cpu=partial(_tiled, scale=None, activation_group=0), default=_ragged
-    )
+    if scale is not None:
+        tiled = partial(_tiled, activation_group=activation_group)
+        gpu = partial(_gpu, activation_group=activation_group, otherwise=tiled)
+        return jax.lax.platform_dependent(x, w, group_sizes, scale, cuda=gpu, default=tiled)
+    tiled = partial(_tiled, scale=None, activation_group=0)
+    gpu = partial(_gpu, scale=None, activation_group=0, otherwise=_ragged)
+    return jax.lax.platform_dependent(x, w, group_sizes, cpu=tiled, cuda=gpu, default=_ragged)
 
 
 def _ragged(x, w, group_sizes):
     return jax.lax.ragged_dot_general(x, w, group_sizes, _DIMENSIONS)
+
+
+def _gpu(x, w, group_sizes, scale, activation_group, otherwise):
+    """The Pallas kernel, where its blocks divide the weight (else `otherwise`). int8 weights meet the rows as
+    they are (the int8 scheme's two digits approximate them to ~14 bits); w8a8's rows are rounded to its
+    digits first, in float32, as its dense projections on GPUs multiply them."""
+    # Imported when first traced (Pallas' Triton backend takes ~0.1 s to import: not every `import jserve`).
+    from pallas_kernels.gpu import grouped_matmul as kernel
+
+    if not kernel.supports(in_features=w.shape[2], out_features=w.shape[1]):
+        return otherwise(x, w, group_sizes) if scale is None else otherwise(x, w, group_sizes, scale)
+    rows = quantize_groups(x, activation_group) if scale is not None and activation_group else x
+    return kernel.grouped_matmul(rows, w, group_sizes, scale).astype(x.dtype)
 
 
 def _tiled(x, w, group_sizes, scale, activation_group):
