@@ -371,7 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target", choices=TARGETS, default="h200")
     parser.add_argument("--shape", choices=MODEL_SHAPES, default="llama3-8b")
     parser.add_argument("--layers", type=int, default=None,
-                        help="compile the shape's first N layers only (each layer compiles alike: quicker)")  # fmt: skip
+                        help="compile only the shape's first N layers (each compiles alike: quicker)")  # fmt: skip
     parser.add_argument("--buckets", type=int, nargs="+", default=[1, 256, 2048], help="step buckets (tokens)")
     parser.add_argument("--attention", default="auto", choices=["auto", "pallas", "pallas-mosaic-gpu", "reference"])
     parser.add_argument("--max-num-seqs", type=int, default=256)

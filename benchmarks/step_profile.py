@@ -34,7 +34,8 @@ import numpy as np
 from jserve import LLM, SamplingParams
 
 # Named in the step (jax.named_scope): an op's kind is the first of these its name path holds.
-SCOPES = ("kv_write", "attention", "norm", "rope", "lm_head", "sampling", "prompt_scores", "proposer")
+SCOPES = ("kv_write", "attention", "norm", "rope", "lm_head", "sampling", "prompt_scores", "proposer", "experts",
+          "routing")  # fmt: skip
 KINDS = (*SCOPES, "matmul", "copy", "other")
 MATMUL_TARGETS = re.compile(r"cublas|gemm|matmul|jserve_gguf_linear|jserve_int8_linear|dot", re.IGNORECASE)
 CONTROL_FLOW = {"conditional", "while", "call"}  # on the CPU their thunks hold their branches' thunks
@@ -210,7 +211,8 @@ def reduce_trace(ops: list[OpTime], kinds: dict[str, Op], steps: int, wall_s: fl
 
 # Kernels a trace may name by themselves rather than by their HLO op: libraries' GEMMs, Pallas kernels
 # (attention and its merge, a single row's norm), copies.
-LIBRARY_KERNELS = ((re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|gmma", re.IGNORECASE), "matmul"),
+LIBRARY_KERNELS = ((re.compile(r"grouped_matmul", re.IGNORECASE), "experts"),
+                   (re.compile(r"gemm|xmma|nvjet|cutlass|cublas|wgmma|gmma", re.IGNORECASE), "matmul"),
                    (re.compile(r"attention", re.IGNORECASE), "attention"),
                    (re.compile(r"rms_norm", re.IGNORECASE), "norm"),
                    (re.compile(r"memcpy|memset", re.IGNORECASE), "copy"))  # fmt: skip

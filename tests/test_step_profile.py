@@ -68,10 +68,11 @@ def test_gpu_kernel_names_find_their_ops(step_profile):
     kinds = {"fusion.3": Op("fusion", "other", ""), "custom-call.7": Op("custom-call", "attention", ""),
              "cond.1": Op("conditional", "other", "")}  # fmt: skip
     ops = [OpTime("fusion_3", 0, 10), OpTime("custom-call.7", 10, 30), OpTime("sm90_xmma_gemm_bf16", 40, 50),
-           OpTime("cond.1", 0, 90), OpTime("mystery_kernel", 90, 5), OpTime("rms_norm_row", 30, 10)]  # fmt: skip
+           OpTime("cond.1", 0, 90), OpTime("mystery_kernel", 90, 5), OpTime("rms_norm_row", 30, 10),
+           OpTime("grouped_matmul", 50, 5)]  # fmt: skip
     profile = step_profile.reduce_trace(ops, kinds, steps=1, wall_s=1e-6, batch=1)
     assert {kind: ms for kind, (ms, _) in profile.kinds.items()} == {
-        "attention": 3e-5, "norm": 1e-5, "matmul": 5e-5, "other": 1e-5
+        "attention": 3e-5, "norm": 1e-5, "experts": 5e-6, "matmul": 5e-5, "other": 1e-5
     }  # fmt: skip
     assert profile.unmatched == 1 and profile.unmatched_names == ["mystery_kernel"]
     assert profile.busy_ms == 9e-5 and profile.idle_ms == 0
