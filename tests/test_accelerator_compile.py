@@ -12,6 +12,7 @@ which the suite needs as it needs it for the default model).
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,21 @@ def test_an_8b_step_for_an_h200_runs_its_stages_without_device_conditionals(tmp_
     assert report["launches"]["prompt_scores"] >= 1 and report["launches"]["sampling"] > 10, report
     (report,) = compile_for("h200", tmp_path, "--buckets", "256", "--run-stages", *stages, "filters")
     assert report["control_flow"]["conditional"] == 1, report
+
+
+def test_a_mixture_of_experts_step_for_an_h200_multiplies_the_routed_experts_only(tmp_path):
+    """Qwen3-30B-A3B's shape (128 experts, top 8), its first 4 layers: each expert projection is the grouped
+    kernel, and no copy of 1 MB or more is made. XLA's own ragged_dot there is one dense GEMM over the rows
+    broadcast to all 128 experts, masked: a [rows, 128, in] copy of the rows per projection (1.07 GB at 256)."""
+    layers = 4
+    options = ["--shape", "qwen3-30b-a3b", "--layers", str(layers), "--buckets", "1", "256", "--hlo-dir", str(tmp_path)]
+    for report in compile_for("h200", tmp_path, *options):
+        assert report["big_copies"] == [], report
+        assert report["temp_mib"] < 256, report
+        hlo = (tmp_path / f"step-{report['bucket']}.hlo").read_text()
+        kernels = re.findall(r"custom-call\(.*grouped_matmul/pallas_call", hlo)
+        assert len(kernels) == 2 * layers  # gate/up and down, a layer
+        assert (report["graphs"], report["outside_graphs"]) == (1, []), report
 
 
 def test_an_8b_step_for_a_tpu_compiles_its_attention_kernel(tmp_path):
