@@ -14,6 +14,8 @@
 #   roofline  benchmarks/roofline.py: decode at batch 1/16/64/256 and prefill, against the memory roofline; decode 1
 #             again on the step whose device decides its sampling stages (the conditionals' cost)
 #   kernels   benchmarks/attention_kernels.py: decode 64 x 2048 and 512-token prefill chunks, GB/s, TFLOP/s
+#   moe       benchmarks/grouped_matmul.py: a mixture of experts' projection (Qwen3-30B-A3B's: 128 experts,
+#             top 8) at 1, 256 and 2048 tokens, the Pallas grouped matmul against XLA's ragged_dot; int8 too
 #   tune      the same, searching the Triton kernel's launch settings (--tune); the best for this GPU go to
 #             $OUT/tuned.json, an entry for pallas_kernels/gpu/tuned.json
 #   serve     jserve serve and benchmarks/serve.py: token-id prompts, 1024 in / 128 out, concurrency 1, 64, 256
@@ -36,7 +38,7 @@ cd "$(dirname "$0")/../.."
 
 DRY_RUN=0
 BUDGET=480
-STAGES="env,profile,roofline,kernels,tune,serve,tests,notebook,weights,lora"
+STAGES="env,profile,roofline,kernels,tune,serve,tests,moe,notebook,weights,lora"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
@@ -57,12 +59,14 @@ if [ "$DRY_RUN" = 1 ]; then  # toy sizes on the CPU: every code path, in a few m
   WEIGHTS_MODEL="random:smollm2-135m" LORA_CONCURRENCY=4 LORA_KV_BYTES=$((64 << 20))
   KERNEL_ARGS="--shape smollm2-135m --dtype float32 --seqs 4 --context 128 --chunk 32 --backends cpu reference"
   TUNE_ARGS="--shape smollm2-135m --dtype float32 --seqs 2 --context 64 --chunk 16 --backends reference --repeats 1"
+  MOE_ARGS="--shape smollm2-135m-moe --dtype float32 --tokens 1 16 --repeats 2" MOE_BACKENDS="tiled ragged pallas"
 else
   MODEL="random:llama3-8b" CONTEXT=1024 MAX_LEN=1280 SEQS=256 TOKENS=2048 KV=$((48 << 30))
   DECODE_BATCHES="1 16 64 256" PROFILE_BATCHES="1 64" PREFILL_SEQS=16 CONCURRENCY="1 64 256" OUTPUT_LEN=128
   WEIGHTS_MODEL="random:llama3.2-1b" LORA_CONCURRENCY=64 LORA_KV_BYTES=$((8 << 30))
   KERNEL_ARGS="--shape llama3-8b --seqs 64 --context 2048 --chunk 512 --backends pallas pallas-mosaic-gpu reference"
   TUNE_ARGS="--shape llama3-8b --seqs 64 --context 2048 --chunk 512 --backends pallas --repeats 10"
+  MOE_ARGS="--shape qwen3-30b-a3b --tokens 1 256 2048 --repeats 20" MOE_BACKENDS="pallas ragged"
 fi
 ENGINE_ARGS="--max-model-len $MAX_LEN --kv-cache-memory $KV --max-num-batched-tokens $TOKENS"
 
@@ -102,6 +106,11 @@ stage_kernels() {
 stage_tune() {  # (the search stops itself 20 s before the stage's limit, keeping what it found)
   local seconds=$((DRY_RUN == 1 ? 15 : STAGE_LIMIT - 20))
   "$PYTHON" benchmarks/attention_kernels.py $TUNE_ARGS --tune "$seconds" --tuned-json "$OUT/tuned.json"
+}
+
+stage_moe() {
+  "$PYTHON" -u benchmarks/grouped_matmul.py $MOE_ARGS --backends $MOE_BACKENDS --json "$OUT/moe.json" || return 1
+  "$PYTHON" -u benchmarks/grouped_matmul.py $MOE_ARGS --backends ${MOE_BACKENDS/ragged/} --int8 --json "$OUT/moe-int8.json"
 }
 
 stage_serve() {
@@ -187,10 +196,10 @@ echo "set-up $(( $(date +%s) - START )) s; budget ${BUDGET} s; stages $STAGES; o
 # The longest each stage may take, seconds (at toy sizes they take far less). The first stage to build the 8B
 # engine (profile) compiles its step buckets, for a GPU with autotuning, and fills the compilation cache the
 # later ones read: its share is the largest. Once the budget is spent, the last stages are skipped.
-declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [tune]=120 [serve]=150 [notebook]=60
-                  [weights]=90 [lora]=150)
-declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [tune]=50 [serve]=80 [notebook]=30
-                     [weights]=45 [lora]=90)
+declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [tune]=120 [serve]=150 [moe]=45
+                  [notebook]=60 [weights]=90 [lora]=150)
+declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [tune]=50 [serve]=80 [moe]=25
+                     [notebook]=30 [weights]=45 [lora]=90)
 IFS=, read -ra ORDER <<< "$STAGES"
 for name in "${ORDER[@]}"; do
   left=$((DEADLINE - $(date +%s)))

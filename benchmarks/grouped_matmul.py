@@ -1,0 +1,121 @@
+"""A mixture of experts' grouped matmul on this machine's device: each way of computing it, in the same run.
+
+One expert projection (gate and up, fused: [experts, 2 x moe_intermediate, hidden]) over the (token, expert)
+rows of `--tokens` tokens, each routed to `num_experts_per_tok` experts drawn at random. Reports ms, GB/s of
+what the projection must read (the weights of the experts some row chose, the rows, the output written) and
+TFLOP/s (2 x rows x in x out), and each backend's time against XLA's `ragged_dot` (which XLA:GPU computes as
+one dense GEMM over every row and every expert):
+
+    python benchmarks/grouped_matmul.py --shape qwen3-30b-a3b --tokens 1 256 2048      # GPU: pallas, ragged
+    python benchmarks/grouped_matmul.py --shape smollm2-135m-moe --dtype float32 --tokens 1 64 \
+        --backends tiled ragged pallas                                                 # CPU (pallas interpreted)
+
+Backends: `pallas` (pallas_kernels/gpu/grouped_matmul.py; interpreted off GPUs: its times then mean nothing),
+`ragged` (jax.lax.ragged_dot), `tiled` (jserve's walk in tiles: the CPU's form). `--int8` gives the experts
+int8 weights with a scale per output (pallas and tiled only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.loader.random_weights import MODEL_SHAPES
+from jserve.models import grouped_matmul as model_grouped_matmul
+from pallas_kernels.gpu import grouped_matmul as kernel
+
+
+def backends(interpret: bool) -> dict:
+    """name -> fn(x, w, group_sizes, scale) of each way of computing the projection."""
+    return {
+        "pallas": partial(kernel.grouped_matmul, interpret=interpret),
+        "ragged": lambda x, w, sizes, scale: jax.lax.ragged_dot_general(x, w, sizes, model_grouped_matmul._DIMENSIONS),
+        "tiled": partial(model_grouped_matmul._tiled, activation_group=0),
+    }
+
+
+def routed_group_sizes(tokens: int, experts: int, top_k: int, rng) -> np.ndarray:
+    """Rows per expert when each token picks top_k distinct experts uniformly."""
+    chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    return np.bincount(chosen.reshape(-1), minlength=experts).astype(np.int32)
+
+
+def projection_bytes(sizes: np.ndarray, w: jax.Array, rows: int, dtype) -> int:
+    """What the projection must move: the weights of the experts some row chose, the rows in, the output out."""
+    _, out_features, in_features = w.shape
+    weights = int((sizes > 0).sum()) * out_features * in_features * w.dtype.itemsize
+    return weights + rows * (in_features + out_features) * jnp.dtype(dtype).itemsize
+
+
+def median_seconds(run, repeats: int) -> float:
+    """Median wall seconds of run() with its result waited for, after one untimed call (compilation)."""
+    run().block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run().block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--shape", choices=[n for n, c in MODEL_SHAPES.items() if c.num_experts], default="qwen3-30b-a3b"
+    )
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 2048])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--backends", nargs="+", default=["pallas", "ragged"], choices=["pallas", "ragged", "tiled"])
+    parser.add_argument("--int8", action="store_true", help="int8 expert weights, a float32 scale per output")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    config = MODEL_SHAPES[args.shape]
+    experts, top_k = config.num_experts, config.num_experts_per_tok
+    in_features, out_features = config.hidden_size, 2 * config.moe_intermediate_size
+    interpret = jax.default_backend() != "gpu"
+    fns = backends(interpret)
+    dtype = jnp.dtype(args.dtype)
+    key = jax.random.key(0)
+    if args.int8:
+        w = jax.random.randint(key, (experts, out_features, in_features), -127, 128).astype(jnp.int8)
+        scale = jnp.full((experts, out_features), 1e-3, jnp.float32)
+    else:
+        w, scale = (0.02 * jax.random.normal(key, (experts, out_features, in_features))).astype(dtype), None
+    print(f"{args.shape}: {experts} experts, top {top_k}, weights [{experts}, {out_features}, {in_features}] "
+          f"{'int8' if args.int8 else args.dtype} on {jax.devices()[0].device_kind}"
+          f"{' (pallas interpreted)' if interpret and 'pallas' in args.backends else ''}")  # fmt: skip
+    print(f"{'tokens':>6} {'rows':>6} {'backend':>8} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'vs ragged':>10}")
+    rng, results = np.random.default_rng(0), []
+    for tokens in args.tokens:
+        rows = tokens * top_k
+        sizes = routed_group_sizes(tokens, experts, top_k, rng)
+        x = jax.random.normal(jax.random.key(tokens), (rows, in_features)).astype(dtype)
+        moved, flops = projection_bytes(sizes, w, rows, dtype), 2 * rows * in_features * out_features
+        timings = {}
+        for name in args.backends:
+            if name == "ragged" and args.int8:
+                print(f"{tokens:6d} {rows:6d} {name:>8}   (no int8 form)")
+                continue
+            run = partial(jax.jit(partial(fns[name], scale=scale)), x, w, jnp.asarray(sizes))
+            timings[name] = median_seconds(run, args.repeats)
+        for name, seconds in timings.items():
+            ratio = f"{timings['ragged'] / seconds:9.2f}x" if "ragged" in timings else ""
+            print(f"{tokens:6d} {rows:6d} {name:>8} {seconds * 1e3:9.3f} {moved / seconds / 1e9:8.1f} "
+                  f"{flops / seconds / 1e12:8.2f} {ratio:>10}")  # fmt: skip
+            results.append(dict(tokens=tokens, rows=rows, backend=name, ms=seconds * 1e3, bytes=moved, flops=flops))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
