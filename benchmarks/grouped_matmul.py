@@ -12,12 +12,15 @@ one dense GEMM over every row and every expert):
 
 Backends: `pallas` (pallas_kernels/gpu/grouped_matmul.py; interpreted off GPUs: its times then mean nothing),
 `ragged` (jax.lax.ragged_dot), `tiled` (jserve's walk in tiles: the CPU's form). `--int8` gives the experts
-int8 weights with a scale per output (pallas and tiled only).
+int8 weights with a scale per output (pallas and tiled only). `--tune SECONDS` then searches the Pallas
+kernel's launch settings (GroupedLaunch: output and input blocks, warps, pipelining stages) at each token
+count, one setting at a time from the defaults, sharing that long among them, and prints the best.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -27,6 +30,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from attention_kernels import coordinate_search
 
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.models import grouped_matmul as model_grouped_matmul
@@ -66,6 +70,39 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
+# What --tune tries, one setting at a time.
+LAUNCH_CHOICES = dict(
+    block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4)
+)
+
+
+def tune(operands, launch_seconds, tokens_list, budget_s: float) -> None:
+    """Search the kernel's launch settings at each token count, an equal share of the budget each.
+    operands(tokens) -> (x, w, sizes, scale, bytes moved); launch_seconds(launch, x, w, sizes, scale) -> s."""
+    end = time.monotonic() + budget_s
+    for i, tokens in enumerate(tokens_list):
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(tokens_list) - i)
+        search_launch(tokens, operands(tokens), launch_seconds, deadline)
+
+
+def search_launch(tokens: int, operands, launch_seconds, deadline: float) -> None:
+    *call, moved = operands
+
+    def cost(launch: kernel.GroupedLaunch) -> float:
+        try:
+            seconds = launch_seconds(launch, *call)
+        except Exception as err:  # a setting Triton cannot compile (shared memory, registers) is no candidate
+            print(f"   failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
+            return float("inf")
+        fields = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(launch).items())
+        print(f"tokens {tokens:5d} {fields}: {seconds * 1e6:9.1f} us = {moved / seconds / 1e9:7.1f} GB/s", flush=True)
+        return seconds
+
+    best, tried = coordinate_search(kernel.GroupedLaunch(), LAUNCH_CHOICES, cost, deadline)
+    default = tried[kernel.GroupedLaunch()]
+    print(f"best at {tokens} tokens: {best}, {default / tried[best]:.2f}x the defaults ({len(tried)} tried)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -76,6 +113,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["pallas", "ragged"], choices=["pallas", "ragged", "tiled"])
     parser.add_argument("--int8", action="store_true", help="int8 expert weights, a float32 scale per output")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tune", type=float, default=0, metavar="SECONDS", help="then search pallas' launch settings")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
 
@@ -96,23 +134,35 @@ def main() -> None:
           f"{' (pallas interpreted)' if interpret and 'pallas' in args.backends else ''}")  # fmt: skip
     print(f"{'tokens':>6} {'rows':>6} {'backend':>8} {'ms':>9} {'GB/s':>8} {'TFLOP/s':>8} {'vs ragged':>10}")
     rng, results = np.random.default_rng(0), []
-    for tokens in args.tokens:
+
+    def operands(tokens: int):
         rows = tokens * top_k
         sizes = routed_group_sizes(tokens, experts, top_k, rng)
         x = jax.random.normal(jax.random.key(tokens), (rows, in_features)).astype(dtype)
-        moved, flops = projection_bytes(sizes, w, rows, dtype), 2 * rows * in_features * out_features
+        return x, w, jnp.asarray(sizes), scale, projection_bytes(sizes, w, rows, dtype)
+
+    for tokens in args.tokens:
+        x, _, sizes, _, moved = operands(tokens)
+        rows, flops = x.shape[0], 2 * x.shape[0] * in_features * out_features
         timings = {}
         for name in args.backends:
             if name == "ragged" and args.int8:
                 print(f"{tokens:6d} {rows:6d} {name:>8}   (no int8 form)")
                 continue
-            run = partial(jax.jit(partial(fns[name], scale=scale)), x, w, jnp.asarray(sizes))
+            run = partial(jax.jit(partial(fns[name], scale=scale)), x, w, sizes)
             timings[name] = median_seconds(run, args.repeats)
         for name, seconds in timings.items():
             ratio = f"{timings['ragged'] / seconds:9.2f}x" if "ragged" in timings else ""
             print(f"{tokens:6d} {rows:6d} {name:>8} {seconds * 1e3:9.3f} {moved / seconds / 1e9:8.1f} "
                   f"{flops / seconds / 1e12:8.2f} {ratio:>10}")  # fmt: skip
             results.append(dict(tokens=tokens, rows=rows, backend=name, ms=seconds * 1e3, bytes=moved, flops=flops))
+    if args.tune:
+
+        def launch_seconds(launch, x, w, sizes, scale) -> float:
+            run = jax.jit(partial(kernel.grouped_matmul, launch=launch, interpret=interpret))
+            return median_seconds(partial(run, x, w, sizes, scale), args.repeats)
+
+        tune(operands, launch_seconds, args.tokens, args.tune)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

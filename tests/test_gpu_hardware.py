@@ -7,6 +7,7 @@ The suite defaults to CPU (conftest), so run them there with the GPU visible:
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,11 +15,14 @@ from jserve import SamplingParams
 from jserve.attention import AttentionBackend
 from jserve.loader import load_model
 from pallas_kernels import gpu, mosaic_gpu
+from pallas_kernels.gpu.grouped_matmul import grouped_matmul
 
 from attention_cases import BATCHES, assert_matches_reference, make_case
 from test_engine import prompts, tiny_llm, token_ids
 from test_pallas_gpu import CASES as TRITON_CASES
 from test_pallas_gpu import SMALL_BLOCKS
+from test_pallas_gpu_grouped import CASES as GROUPED_CASES
+from test_pallas_gpu_grouped import operands, reference
 from test_pallas_mosaic_gpu import CASES as MOSAIC_CASES
 from tiny_models import VARIANTS, assert_engine_idle, jserve_prompt_logits, reference_greedy, save_tiny_checkpoint
 
@@ -46,6 +50,20 @@ def test_triton_kernel_matches_reference(name, blocks):
     _run_kernel(gpu.ragged_paged_attention, TRITON_CASES[name], **blocks)
 
 
+@pytest.mark.parametrize("case", GROUPED_CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+def test_grouped_matmul_kernel_matches_each_groups_product(case, dtype):
+    rows, spec, block_m = GROUPED_CASES[case]
+    x, w, sizes, scale = operands(rows, spec, dtype)
+    with jax.default_matmul_precision("highest"):
+        out = jax.jit(grouped_matmul, static_argnames="block_m")(x, w, jnp.asarray(sizes), scale, block_m=block_m)
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), reference(x, w, sizes, scale), rtol=tolerance, atol=tolerance
+    )
+    assert (np.asarray(out[int(sizes.sum()) :], np.float32) == 0).all()
+
+
 @requires_hopper
 @pytest.mark.parametrize("blocks", [{}, dict(kv_splits=3)], ids=["default-blocks", "three-splits"])
 @pytest.mark.parametrize("name", MOSAIC_CASES)
@@ -53,11 +71,12 @@ def test_mosaic_gpu_kernel_matches_reference(name, blocks):
     _run_kernel(mosaic_gpu.ragged_paged_attention, {"dtype": "bfloat16", **MOSAIC_CASES[name]}, **blocks)
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral-sliding", "gemma2"])
+@pytest.mark.parametrize("variant", ["llama", "mistral-sliding", "gemma2", "mixtral", "qwen3_moe"])
 def test_engine_on_triton_kernel_matches_transformers(tmp_path, variant):
     """float32 greedy tokens on the GPU's Triton kernel equal transformers' (and the reference backend's),
     with chunked prefills beside decodes; and a prompt alone (one-token steps: the split-KV merge kernel and
-    the single-row norm kernel) gives the tokens it gave in the batch."""
+    the single-row norm kernel) gives the tokens it gave in the batch. The mixtures of experts run their
+    experts on the grouped matmul kernel."""
     family, overrides = VARIANTS[variant]
     hf_model = save_tiny_checkpoint(tmp_path, family, **overrides)
     batch = prompts(6, seed=11, low=5, high=90)

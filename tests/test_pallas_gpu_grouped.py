@@ -5,11 +5,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
+from jserve import SamplingParams
+from jserve.models import moe
 from jserve.models.grouped_matmul import grouped_matmul as model_grouped_matmul
-from pallas_kernels.gpu.grouped_matmul import grouped_matmul, row_block, supports
+from pallas_kernels.gpu.grouped_matmul import GroupedLaunch, find_visit, grouped_matmul, row_block, supports
 
 from accelerators import lowering_for
+from test_engine import prompts, tiny_llm, token_ids
+from tiny_models import VARIANTS, assert_engine_idle, reference_greedy, save_tiny_checkpoint
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -44,7 +49,7 @@ def reference(x, w, sizes, scale=None) -> np.ndarray:
     return out
 
 
-def operands(rows: int, spec, dtype, groups: int = 6, in_features: int = 64, out_features: int = 48, seed: int = 0):
+def operands(rows: int, spec, dtype, in_features: int = 64, out_features: int = 48, seed: int = 0):
     groups = 128 if spec == "top8of128" else len(spec)
     keys = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(keys[0], (rows, in_features)).astype(dtype)
@@ -70,6 +75,35 @@ def test_the_kernel_matches_each_groups_product_in_interpret_mode(case, dtype):
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
     padding = np.asarray(out[int(sizes.sum()) :], np.float32)
     assert (padding == 0).all()  # written, as zeros: not left as whatever the buffer held
+
+
+@pytest.mark.parametrize("sizes", [[0, 17, 3, 0, 29, 5], [16, 16, 0], [1] * 7, [0, 0, 0], [40]])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_every_row_is_stored_by_one_visit_of_its_own_group(sizes, block_m):
+    """The programs' visits, as the kernel finds them, cover each row once: a group's rows by its visits, the
+    padding rows past them by the padding group's. (Interpret mode runs programs one by one, so a row two
+    programs stored would pass there; on a GPU it is a race.)"""
+    groups = len(sizes)
+    rows = (sum(sizes) // block_m + 1) * block_m  # some padding rows
+    slots = np.zeros(pl.next_power_of_2(groups + 1), np.int32)
+    slots[:groups] = sizes
+    owner = np.repeat(np.arange(groups + 1), [*sizes, rows - sum(sizes)])
+    stored = np.zeros(rows, np.int32)
+    for visit in range(rows // block_m + groups):
+        group, first_row, mine, count = find_visit(jnp.asarray(slots), visit, groups, block_m, rows)
+        if visit < count:
+            tile_rows = np.arange(first_row, first_row + block_m)[np.asarray(mine)]
+            assert (owner[tile_rows] == int(group)).all()
+            stored[tile_rows] += 1
+    assert (stored == 1).all()
+
+
+@pytest.mark.parametrize("launch", [GroupedLaunch(16, 16, 2, 1), GroupedLaunch(128, 256, 8, 3)], ids=str)
+def test_launch_settings_change_no_result(launch):
+    """Blocks from the smallest to larger than the weight (cut to what divides it)."""
+    x, w, sizes, _ = operands(70, [0, 17, 3, 0, 29, 5], jnp.float32, in_features=128, out_features=64)
+    out = grouped_matmul(x, w, jnp.asarray(sizes), block_m=16, launch=launch, interpret=True)
+    np.testing.assert_allclose(np.asarray(out, np.float64), reference(x, w, sizes), rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernel_equals_the_cpu_tiled_walk_for_float_weights():
@@ -125,3 +159,25 @@ def test_other_platforms_keep_their_own_grouped_matmuls():
     x, w, sizes, _ = operands(70, [0, 17, 3, 0, 29, 5], jnp.float32)
     cpu = jax.jit(model_grouped_matmul).trace(x, w, jnp.asarray(sizes)).lower().as_text()
     assert TRITON_CALL not in cpu and "ragged_dot" not in cpu
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+def test_an_engine_on_the_kernel_gives_transformers_greedy_tokens(tmp_path, monkeypatch, variant):
+    """The experts' projections on the kernel (interpreted here) inside the engine: float32 greedy tokens of
+    tiny Mixtral and Qwen3-MoE models, chunked prefills beside decodes, equal transformers'."""
+    traced = []
+
+    def on_the_kernel(x, w, group_sizes, scale=None, activation_group=0):
+        traced.append(x.shape)
+        return grouped_matmul(x, w, group_sizes, scale, interpret=True)
+
+    monkeypatch.setattr(moe, "grouped_matmul", on_the_kernel)
+    family, overrides = VARIANTS[variant]
+    hf_model = save_tiny_checkpoint(tmp_path, family, **overrides)
+    batch = prompts(4, seed=3, low=5, high=40)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = tiny_llm(tmp_path, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    got = token_ids(llm.generate(batch, params, use_tqdm=False))
+    assert traced  # (the engine's step was traced here, with the kernel, not taken from a cache)
+    assert_engine_idle(llm)
+    assert got == [reference_greedy(hf_model, p, params.max_tokens) for p in batch]

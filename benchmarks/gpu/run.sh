@@ -15,7 +15,8 @@
 #             again on the step whose device decides its sampling stages (the conditionals' cost)
 #   kernels   benchmarks/attention_kernels.py: decode 64 x 2048 and 512-token prefill chunks, GB/s, TFLOP/s
 #   moe       benchmarks/grouped_matmul.py: a mixture of experts' projection (Qwen3-30B-A3B's: 128 experts,
-#             top 8) at 1, 256 and 2048 tokens, the Pallas grouped matmul against XLA's ragged_dot; int8 too
+#             top 8) at 1, 256 and 2048 tokens, the Pallas grouped matmul against XLA's ragged_dot; int8 too;
+#             then a search of the kernel's launch settings (--tune)
 #   tune      the same, searching the Triton kernel's launch settings (--tune); the best for this GPU go to
 #             $OUT/tuned.json, an entry for pallas_kernels/gpu/tuned.json
 #   serve     jserve serve and benchmarks/serve.py: token-id prompts, 1024 in / 128 out, concurrency 1, 64, 256
@@ -111,6 +112,8 @@ stage_tune() {  # (the search stops itself 20 s before the stage's limit, keepin
 stage_moe() {
   "$PYTHON" -u benchmarks/grouped_matmul.py $MOE_ARGS --backends $MOE_BACKENDS --json "$OUT/moe.json" || return 1
   "$PYTHON" -u benchmarks/grouped_matmul.py $MOE_ARGS --backends ${MOE_BACKENDS/ragged/} --int8 --json "$OUT/moe-int8.json"
+  local seconds=$((DRY_RUN == 1 ? 10 : STAGE_LIMIT - 45))  # (the search: what the two runs above leave)
+  "$PYTHON" -u benchmarks/grouped_matmul.py $MOE_ARGS --backends pallas --tune "$seconds"
 }
 
 stage_serve() {
@@ -196,9 +199,9 @@ echo "set-up $(( $(date +%s) - START )) s; budget ${BUDGET} s; stages $STAGES; o
 # The longest each stage may take, seconds (at toy sizes they take far less). The first stage to build the 8B
 # engine (profile) compiles its step buckets, for a GPU with autotuning, and fills the compilation cache the
 # later ones read: its share is the largest. Once the budget is spent, the last stages are skipped.
-declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [tune]=120 [serve]=150 [moe]=45
+declare -A LIMIT=([env]=30 [tests]=150 [profile]=240 [roofline]=130 [kernels]=45 [tune]=120 [serve]=150 [moe]=90
                   [notebook]=60 [weights]=90 [lora]=150)
-declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [tune]=50 [serve]=80 [moe]=25
+declare -A MIN_SLOT=([env]=10 [tests]=60 [profile]=60 [roofline]=60 [kernels]=20 [tune]=50 [serve]=80 [moe]=50
                      [notebook]=30 [weights]=45 [lora]=90)
 IFS=, read -ra ORDER <<< "$STAGES"
 for name in "${ORDER[@]}"; do

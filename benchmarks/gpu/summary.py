@@ -53,9 +53,8 @@ def main() -> None:
     tuned = [line for line in tail(out / "tune.log", 400) if line.startswith(("decode:", "prefill:", "device:"))]
     parts.append(section("Triton launch settings searched (attention_kernels.py --tune; tuned.json)", tuned))
     parts.append(section("Serving (jserve serve, serve.py)", serving(out) or tail(out / "serve.log", 15)))
-    parts.append(
-        section("Mixture-of-experts projection (grouped_matmul.py; float, then int8)", tail(out / "moe.log", 20))
-    )
+    moe = [line for line in tail(out / "moe.log", 400) if not re.match(r"tokens +\d|   failed", line)]  # (not tries)
+    parts.append(section("Mixture-of-experts projection (grouped_matmul.py: float, int8, --tune)", moe))
     parts.append(section("Colab demo notebook", tail(out / "notebook.log", 8)))
     parts.append(section("New weights (weight_update.py)", tail(out / "weights.log", 14)))
     parts.append(section("LoRA adapters (lora.py)", tail(out / "lora.log", 5)))

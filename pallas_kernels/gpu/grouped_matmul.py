@@ -15,6 +15,7 @@ and scaled at the end: they cross memory as int8 and multiply exactly (|q| <= 12
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,17 @@ from jax.experimental.pallas import triton as plt
 
 MIN_DOT = 16  # Triton's dot wants every dimension >= 16
 MAX_BLOCK_M = 64
-MAX_BLOCK = 64  # outputs and inputs a program takes at a time (the largest power of two <= this dividing them)
-NUM_WARPS = 4
-NUM_STAGES = 2
+
+
+@dataclass(frozen=True)
+class GroupedLaunch:
+    """How the kernel is launched. Not yet measured on a GPU: `benchmarks/grouped_matmul.py --tune` searches
+    these there. Blocks are cut to the largest power of two at most this that divides the weight."""
+
+    block_n: int = 64  # outputs a program computes
+    block_k: int = 64  # inputs it reads at a time
+    num_warps: int = 4
+    num_stages: int = 2  # Triton's software pipelining of the loads
 
 
 def supports(in_features: int, out_features: int) -> bool:
@@ -47,6 +56,7 @@ def grouped_matmul(
     scale: jax.Array | None = None,
     *,
     block_m: int | None = None,
+    launch: GroupedLaunch = GroupedLaunch(),
     interpret: bool = False,
 ) -> jax.Array:
     """x [M, in], its rows sorted by group; w [G, out, in] (int8 with `scale` float32 [G, out], or x's float
@@ -61,7 +71,7 @@ def grouped_matmul(
     x = x if tiles * block_m == rows else jnp.pad(x, ((0, tiles * block_m - rows), (0, 0)))
     # One slot more than the groups, for the padding rows; a power of two, as Triton's vectors are.
     sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, pl.next_power_of_2(groups + 1) - groups))
-    block_n, block_k = _block(out_features), _block(in_features)
+    block_n, block_k = _block(out_features, launch.block_n), _block(in_features, launch.block_k)
     kernel = functools.partial(_kernel, groups=groups, block_m=block_m, block_n=block_n, block_k=block_k)
     scales = () if scale is None else (scale,)
     out = pl.pallas_call(
@@ -70,15 +80,15 @@ def grouped_matmul(
         # every (tile, group) pair that can share rows: each group boundary inside a tile adds one
         grid=(tiles + groups, out_features // block_n),
         interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plt.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         name="grouped_matmul",
     )(sizes, x, w, *scales)
     return out if tiles * block_m == rows else out[:rows]
 
 
-def _block(features: int) -> int:
-    """The largest power of two <= MAX_BLOCK dividing `features` (a multiple of MIN_DOT)."""
-    return min(MAX_BLOCK, features & -features)
+def _block(features: int, most: int) -> int:
+    """The largest power of two <= `most` (and >= MIN_DOT) dividing `features` (a multiple of MIN_DOT)."""
+    return max(MIN_DOT, min(most, features & -features))
 
 
 def _kernel(
@@ -93,12 +103,10 @@ def _kernel(
 ):
     *scale_ref, out_ref = refs
     visit, column_block = pl.program_id(0), pl.program_id(1)
-    group, first_row, start, end, count = _find_visit(sizes_ref[...], visit, groups, block_m, x_ref.shape[0])
+    group, first_row, mine, count = find_visit(sizes_ref[...], visit, groups, block_m, x_ref.shape[0])
 
     @pl.when(visit < count)
     def _():
-        row = first_row + jnp.arange(block_m)
-        mine = (row >= start) & (row < end)
         rows, columns = pl.ds(first_row, block_m), pl.ds(column_block * block_n, block_n)
         weight = jnp.minimum(group, groups - 1)  # (the padding rows read no weight: their loop runs 0 times)
 
@@ -115,11 +123,12 @@ def _kernel(
         plt.store(out_ref.at[rows, columns], acc.astype(out_ref.dtype), mask=mine[:, None])
 
 
-def _find_visit(sizes, visit, groups: int, block_m: int, rows: int):
-    """Visit `visit`'s (group, first row of its tile, the group's first row, one past its last) and how many
-    visits there are. Visits run group by group, each over the tiles its rows touch; the rows past the groups
-    are one more group (`groups`), whose visits store zeros. Computed by every program from the sizes (a few
-    vector operations on S integers), so the step launches no kernels to plan the visits."""
+def find_visit(sizes, visit, groups: int, block_m: int, rows: int):
+    """Visit `visit`'s (group, first row of its tile, which of the tile's rows [block_m] are the group's) and
+    how many visits there are, for `rows` rows and group sizes [S]. Visits run group by group, each over the
+    tiles its rows touch; the rows past the groups are one more group (`groups`), whose visits store zeros.
+    Computed by every program from the sizes (a few vector operations on S integers), so the step launches no
+    kernels to plan the visits."""
     slot = jnp.arange(sizes.shape[0])
     sizes = jnp.where(slot == groups, rows - jnp.sum(sizes), sizes)
     ends = jnp.cumsum(sizes)
@@ -132,8 +141,10 @@ def _find_visit(sizes, visit, groups: int, block_m: int, rows: int):
     def of_group(values):
         return jnp.sum(jnp.where(slot == group, values, 0))
 
-    tile = of_group(first_tile) + visit - of_group(visits_to - visits)
-    return group, tile * block_m, of_group(starts), of_group(ends), jnp.sum(visits)
+    first_row = (of_group(first_tile) + visit - of_group(visits_to - visits)) * block_m
+    row = first_row + jnp.arange(block_m)
+    mine = (row >= of_group(starts)) & (row < of_group(ends))
+    return group, first_row, mine, jnp.sum(visits)
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
