@@ -216,7 +216,7 @@ def inspect(hlo: str, bucket: int, compile_s: float, memory, kv_params: set[int]
         if REMAT_NAME.search(name):
             remat[kind] += 1
         is_copy = opcode in ("copy", "transpose") or (
-            opcode == "fusion" and re.match(r"(loop_|input_)?(copy|transpose)", name)
+            opcode == "fusion" and re.match(r"(loop_|input_|wrapped_)?(copy|transpose)", name)
         )
         if is_copy and (megabytes := shape_bytes(shape) / 1e6) >= min_mb:
             op_name = (re.search(r'op_name="([^"]*)"', rest) or [None, ""])[1]
