@@ -13,8 +13,8 @@ one dense GEMM over every row and every expert):
 Backends: `pallas` (pallas_kernels/gpu/grouped_matmul.py; interpreted off GPUs: its times then mean nothing),
 `ragged` (jax.lax.ragged_dot), `tiled` (jserve's walk in tiles: the CPU's form). `--int8` gives the experts
 int8 weights with a scale per output (pallas and tiled only). `--tune SECONDS` then searches the Pallas
-kernel's launch settings (GroupedLaunch: output and input blocks, warps, pipelining stages) at each token
-count, one setting at a time from the defaults, sharing that long among them, and prints the best.
+kernel's launch settings (GroupedLaunch: row tile, output and input blocks, warps, pipelining stages) at
+each token count, one setting at a time from the defaults, sharing that long among them, and prints the best.
 """
 
 from __future__ import annotations
@@ -71,9 +71,8 @@ def median_seconds(run, repeats: int) -> float:
 
 
 # What --tune tries, one setting at a time.
-LAUNCH_CHOICES = dict(
-    block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256), num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4)
-)
+LAUNCH_CHOICES = dict(block_m=(16, 32, 64, 128), block_n=(16, 32, 64, 128), block_k=(32, 64, 128, 256),
+                      num_warps=(2, 4, 8), num_stages=(1, 2, 3, 4))  # fmt: skip
 
 
 def tune(operands, launch_seconds, tokens_list, budget_s: float) -> None:

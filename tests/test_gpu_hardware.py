@@ -15,7 +15,7 @@ from jserve import SamplingParams
 from jserve.attention import AttentionBackend
 from jserve.loader import load_model
 from pallas_kernels import gpu, mosaic_gpu
-from pallas_kernels.gpu.grouped_matmul import grouped_matmul
+from pallas_kernels.gpu.grouped_matmul import GroupedLaunch, grouped_matmul
 
 from attention_cases import BATCHES, assert_matches_reference, make_case
 from test_engine import prompts, tiny_llm, token_ids
@@ -56,7 +56,9 @@ def test_grouped_matmul_kernel_matches_each_groups_product(case, dtype):
     rows, spec, block_m = GROUPED_CASES[case]
     x, w, sizes, scale = operands(rows, spec, dtype)
     with jax.default_matmul_precision("highest"):
-        out = jax.jit(grouped_matmul, static_argnames="block_m")(x, w, jnp.asarray(sizes), scale, block_m=block_m)
+        out = jax.jit(grouped_matmul, static_argnames="launch")(
+            x, w, jnp.asarray(sizes), scale, launch=GroupedLaunch(block_m)
+        )
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(
         np.asarray(out, np.float64), reference(x, w, sizes, scale), rtol=tolerance, atol=tolerance

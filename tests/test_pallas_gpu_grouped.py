@@ -18,12 +18,12 @@ from tiny_models import VARIANTS, assert_engine_idle, reference_greedy, save_tin
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
-# (rows, group sizes, block_m): rows past the groups' sum are padding
+# (rows, group sizes, row tile): rows past the groups' sum are padding
 CASES = {
-    "a lone decode, 8 of 128 experts": (8, "top8of128", None),
+    "a lone decode, 8 of 128 experts": (8, "top8of128", 64),
     "tiles shared by groups, empty groups, padding": (70, [0, 17, 3, 0, 29, 5], 16),
     "every row in one group": (48, [0, 48, 0], 16),
-    "fewer rows than a tile": (5, [2, 0, 1], None),
+    "fewer rows than a tile": (5, [2, 0, 1], 64),
     "padding only": (32, [0, 0, 0, 0], 16),
 }
 
@@ -68,7 +68,7 @@ def operands(rows: int, spec, dtype, in_features: int = 64, out_features: int = 
 def test_the_kernel_matches_each_groups_product_in_interpret_mode(case, dtype):
     rows, spec, block_m = CASES[case]
     x, w, sizes, scale = operands(rows, spec, dtype)
-    out = grouped_matmul(x, w, jnp.asarray(sizes), scale, block_m=block_m, interpret=True)
+    out = grouped_matmul(x, w, jnp.asarray(sizes), scale, launch=GroupedLaunch(block_m=block_m), interpret=True)
     assert out.shape == (rows, w.shape[1]) and out.dtype == x.dtype
     expected = reference(x, w, sizes, scale)
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
@@ -98,26 +98,24 @@ def test_every_row_is_stored_by_one_visit_of_its_own_group(sizes, block_m):
     assert (stored == 1).all()
 
 
-@pytest.mark.parametrize("launch", [GroupedLaunch(16, 16, 2, 1), GroupedLaunch(128, 256, 8, 3)], ids=str)
+@pytest.mark.parametrize("launch", [GroupedLaunch(16, 16, 16, 2, 1), GroupedLaunch(128, 128, 256, 8, 3)], ids=str)
 def test_launch_settings_change_no_result(launch):
     """Blocks from the smallest to larger than the weight (cut to what divides it)."""
     x, w, sizes, _ = operands(70, [0, 17, 3, 0, 29, 5], jnp.float32, in_features=128, out_features=64)
-    out = grouped_matmul(x, w, jnp.asarray(sizes), block_m=16, launch=launch, interpret=True)
+    out = grouped_matmul(x, w, jnp.asarray(sizes), launch=launch, interpret=True)
     np.testing.assert_allclose(np.asarray(out, np.float64), reference(x, w, sizes), rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernel_equals_the_cpu_tiled_walk_for_float_weights():
     """The GPU's kernel and the CPU's tiled walk (the model's grouped matmul on this host) agree."""
     x, w, sizes, _ = operands(70, CASES["tiles shared by groups, empty groups, padding"][1], jnp.float32)
-    kernel = grouped_matmul(x, w, jnp.asarray(sizes), block_m=16, interpret=True)
+    kernel = grouped_matmul(x, w, jnp.asarray(sizes), launch=GroupedLaunch(block_m=16), interpret=True)
     np.testing.assert_allclose(kernel, model_grouped_matmul(x, w, jnp.asarray(sizes)), rtol=1e-5, atol=1e-5)
 
 
-def test_tiles_hold_about_a_groups_share_of_the_rows():
-    assert row_block(8, 128) == 16  # a lone decode: the smallest tile Triton's dot takes
-    assert row_block(2048, 128) == 16
-    assert row_block(16384, 128) == 64  # a long prefill: up to 64
-    assert row_block(512, 8) == 64
+def test_row_tiles_are_as_large_as_the_rows_allow():
+    assert row_block(8, 64) == 16  # a lone decode of 8 experts: the smallest tile Triton's dot takes
+    assert row_block(40, 64) == 64 and row_block(2048, 64) == 64 and row_block(2048, 128) == 128
 
 
 def test_the_kernel_refuses_weights_its_blocks_do_not_divide():

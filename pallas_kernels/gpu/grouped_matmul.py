@@ -2,8 +2,9 @@
 
 Rows sorted by group times each group's own weight. XLA:GPU has no grouped GEMM of its own: by default its
 RaggedDotRewriter turns `ragged_dot` into one dense GEMM over every row broadcast to every group and masked,
-G times the FLOPs through a [rows, G, in] temporary (for Qwen3-30B-A3B's 128 experts at 256 tokens a step,
-1.07 GB written and read per projection per layer). Here the rows are cut into tiles of `block_m`; one
+G times the FLOPs through a [rows, G, in] temporary, after transposing the layer's stacked expert weights
+(for Qwen3-30B-A3B's 128 experts, 1.2 GB of weights a layer every step, and at 256 tokens a step 1.5 GB of
+broadcast rows). Here the rows are cut into tiles of `block_m`; one
 program multiplies one (tile, group) pair that shares rows by one block of `block_n` outputs of that group's
 weight, `block_k` inputs at a time, and stores only its group's rows. A step reads each routed expert's
 weight once per tile its rows touch, and never the experts no row chose.
@@ -23,14 +24,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 MIN_DOT = 16  # Triton's dot wants every dimension >= 16
-MAX_BLOCK_M = 64
 
 
 @dataclass(frozen=True)
 class GroupedLaunch:
     """How the kernel is launched. Not yet measured on a GPU: `benchmarks/grouped_matmul.py --tune` searches
-    these there. Blocks are cut to the largest power of two at most this that divides the weight."""
+    these there. Each block is a power of two, cut to what the rows and the weight allow (`_block`).
 
+    A visit reads its expert's weight block whole, and there are about (row tiles + experts) visits, so
+    larger row tiles read the weights fewer times: a visit's products cost less than its reads until a
+    tile holds about 200 rows on an H100 or H200 (bf16 tensor-core FLOP/s over HBM bytes/s)."""
+
+    block_m: int = 64  # rows a tile holds (fewer rows: the next power of two >= them, >= MIN_DOT)
     block_n: int = 64  # outputs a program computes
     block_k: int = 64  # inputs it reads at a time
     num_warps: int = 4
@@ -42,11 +47,9 @@ def supports(in_features: int, out_features: int) -> bool:
     return in_features % MIN_DOT == 0 and out_features % MIN_DOT == 0
 
 
-def row_block(rows: int, groups: int) -> int:
-    """Rows a tile holds: about a group's share of the rows (a tile shared by two groups is visited twice),
-    a power of two from MIN_DOT to MAX_BLOCK_M."""
-    share = -(-rows // groups)
-    return min(MAX_BLOCK_M, max(MIN_DOT, pl.next_power_of_2(share)))
+def row_block(rows: int, most: int) -> int:
+    """Rows a tile holds: `most`, or for fewer rows the next power of two >= them (at least MIN_DOT)."""
+    return min(most, max(MIN_DOT, pl.next_power_of_2(rows)))
 
 
 def grouped_matmul(
@@ -55,7 +58,6 @@ def grouped_matmul(
     group_sizes: jax.Array,
     scale: jax.Array | None = None,
     *,
-    block_m: int | None = None,
     launch: GroupedLaunch = GroupedLaunch(),
     interpret: bool = False,
 ) -> jax.Array:
@@ -66,7 +68,7 @@ def grouped_matmul(
     groups, out_features, _ = w.shape
     if not supports(in_features, out_features):
         raise ValueError(f"grouped_matmul needs in and out features multiples of {MIN_DOT}, got {w.shape}")
-    block_m = block_m or row_block(rows, groups)
+    block_m = row_block(rows, launch.block_m)
     tiles = pl.cdiv(rows, block_m)
     x = x if tiles * block_m == rows else jnp.pad(x, ((0, tiles * block_m - rows), (0, 0)))
     # One slot more than the groups, for the padding rows; a power of two, as Triton's vectors are.
