@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 from functools import partial
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attention_kernels import coordinate_search
+from attention_kernels import coordinate_search, median_seconds
 
 from jserve.loader.random_weights import MODEL_SHAPES
 from jserve.models import grouped_matmul as model_grouped_matmul
@@ -57,17 +56,6 @@ def projection_bytes(sizes: np.ndarray, w: jax.Array, rows: int, dtype) -> int:
     _, out_features, in_features = w.shape
     weights = int((sizes > 0).sum()) * out_features * in_features * w.dtype.itemsize
     return weights + rows * (in_features + out_features) * jnp.dtype(dtype).itemsize
-
-
-def median_seconds(run, repeats: int) -> float:
-    """Median wall seconds of run() with its result waited for, after one untimed call (compilation)."""
-    run().block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run().block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # What --tune tries, one setting at a time.

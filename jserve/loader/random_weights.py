@@ -36,42 +36,19 @@ MODEL_SHAPES: dict[str, ModelConfig] = {
         num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
         tie_word_embeddings=True,
     ),
+    # Published mixtures of experts, experts in every layer: 128 of 768 wide, top 8; 8 of 14336, top 2.
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+    ),
 }  # fmt: skip
-# Published mixtures of experts: every layer's MLP is experts (Qwen3-30B-A3B: 128 of 768, top 8; Mixtral 8x7B:
-# 8 of 14336, top 2).
-MODEL_SHAPES["qwen3-30b-a3b"] = ModelConfig(
-    family="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_layers=48,
-    num_heads=32,
-    num_kv_heads=4,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    max_position_embeddings=40960,
-    qk_norm=True,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=768,
-)
-MODEL_SHAPES["mixtral-8x7b"] = ModelConfig(
-    family="mixtral",
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope_theta=1000000.0,
-    max_position_embeddings=32768,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=14336,
-)
 # A mixture of experts with SmolLM2-135M's active size: each token runs 2 of 8 experts of half its MLP width.
 MODEL_SHAPES["smollm2-135m-moe"] = dataclasses.replace(
     MODEL_SHAPES["smollm2-135m"], family="mixtral", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=768,
