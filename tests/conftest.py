@@ -4,6 +4,31 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
+# `pytest -n auto` (pytest-xdist, in the test extra) runs test files in parallel processes: the hooks below say
+# how many and keep each file on one process, since its module-scoped engines are built once per process.
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """A process per core on CPU hosts, as memory allows (a worker peaks near 4.5 GB); none on an accelerator,
+    which one process's JAX takes whole."""
+    if os.environ["JAX_PLATFORMS"] != "cpu":
+        return 0
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, int(memory_gib // 6)))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # (before xdist's own, which would deal tests one by one)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to each process, unless --dist names another mode: the engines a file's tests share are
+    built once."""
+    if config.option.dist != "load":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf_path():
