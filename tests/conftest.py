@@ -21,8 +21,8 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)  # (before xdist's own, which would deal tests one by one)
 def pytest_xdist_make_scheduler(config, log):
-    """Whole files to each process, unless --dist names another mode: the engines a file's tests share are
-    built once."""
+    """Whole files to each process (xdist's default "load", explicit or not, becomes loadfile; other --dist
+    modes keep theirs): the engines a file's tests share are built once."""
     if config.option.dist != "load":
         return None
     from xdist.scheduler import LoadFileScheduling
