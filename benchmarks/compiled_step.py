@@ -314,7 +314,7 @@ def compile_buckets(args) -> list[tuple[Report, str]]:
         bitmask = full_bitmask(step.sampling.token_bitmask.shape[0], vocab)  # the 8B vocabulary's
         step = replace(step, sampling=replace(step.sampling, token_bitmask=bitmask))
         packing = StepPacking.of(step)
-        stages = replace(step_stages(step.sampling, step.prompt_targets, vocab), **run_stages)
+        stages = replace(step_stages(step, vocab), **run_stages)
         stages = stages if host_decides(platform) else DEVICE_DECIDES  # (as a runner on the target picks them)
         call = (graphdef, attention, params_def, None, packing, stages, abstract(params), [], None, kv_cache, (),
                 penalties, sampled, abstract(packing.pack(step)))  # fmt: skip

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jserve.engine.penalties import init_penalty_state, update_penalty_state
+from jserve.engine.stages import Gate
 from jserve.engine.step import hold_logits
 
 SLOTS, VOCAB, TOKENS = 6, 50, 8
@@ -73,3 +74,18 @@ def test_held_logits_are_written_alike_both_ways(monkeypatch, deferred):
     if any(deferred):  # the step's rows, all of them, replace the first rows
         expected[:3] = np.asarray(logits.astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(conditional), expected)
+
+
+def test_a_step_whose_host_decides_writes_the_state_only_when_its_carry_stage_runs():
+    """The carry stage RUN is the masked form; SKIP leaves the state as it is, even with rows to write (the
+    host skips it only for steps with none)."""
+    rng = np.random.default_rng(3)
+    state = penalty_state(rng)
+    recorded = jnp.asarray(rng.random(TOKENS) < 0.6)
+    args = (state, *tokens(rng), recorded, jnp.arange(SLOTS), jnp.asarray([True] + [False] * (SLOTS - 1)))
+    assert_same(update_penalty_state(*args, Gate.RUN), update_penalty_state(*args))
+    assert_same(update_penalty_state(*args, Gate.SKIP), state)
+    held = jnp.asarray(rng.standard_normal((SLOTS, VOCAB)), jnp.float32)
+    logits, deferred = jnp.asarray(rng.standard_normal((3, VOCAB)), jnp.float32), jnp.asarray([False, True, False])
+    assert_same(hold_logits(held, logits, deferred, Gate.RUN), hold_logits(held, logits, deferred))
+    assert_same(hold_logits(held, logits, deferred, Gate.SKIP), held)

@@ -6,21 +6,24 @@ that did not ask for it as skipping it would; and a stage the host leaves out mu
 """
 
 import dataclasses
+import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from sampling_rows import SamplingRow, build_sampling_batch
+from test_structured import constrained
 
 from jserve import SamplingParams
 from jserve.engine import runner as runner_module
 from jserve.engine.prompt_logprobs import score_positions
 from jserve.engine.sampler import full_bitmask, init_penalty_state, sample
-from jserve.engine.stages import DEVICE_DECIDES, Gate, StepStages, step_stages
+from jserve.engine.stages import DEVICE_DECIDES, Gate, StepStages, penalised_rows, step_stages
 from jserve.engine.step_executables import cost, covers
 
-from test_engine import prompts, tiny_llm
+from test_engine import prompts, tiny_llm, token_ids
 from tiny_models import assert_engine_idle
 
 VOCAB, SLOTS = 96, 4
@@ -57,6 +60,19 @@ def batch_of(rows: list) -> tuple:
     return build_sampling_batch(sampling_rows, num_seqs, bitmask)
 
 
+def host_stages(batch, targets: np.ndarray, deferred: bool = False) -> StepStages:
+    """step_stages of a step of `batch`'s rows, a token each (targets: each token's prompt target): its
+    penalised rows' tokens recorded as a step records them; `deferred`: its first row's grammar mask comes
+    after launch."""
+    rows = batch.temperature.shape[0]
+    recorded = np.zeros(len(targets), bool)
+    recorded[:rows] = penalised_rows(batch)
+    penalties = SimpleNamespace(recorded=recorded, reset=np.zeros(rows, bool))
+    step = SimpleNamespace(sampling=batch, prompt_targets=targets, penalties=penalties,
+                           deferred=np.arange(rows) == (0 if deferred else -1))  # fmt: skip
+    return step_stages(step, VOCAB)
+
+
 def penalty_state(rng):
     state = init_penalty_state(SLOTS, VOCAB)
     mask, counts = rng.random((SLOTS, VOCAB)) < 0.3, rng.integers(0, 3, (SLOTS, VOCAB)).astype(np.int32)
@@ -76,7 +92,7 @@ def test_samples_are_the_same_whoever_decides_the_stages(name, monkeypatch):
     rng = np.random.default_rng(len(name))
     batch, state = batch_of(BATCHES[name]), penalty_state(rng)
     logits = rng.normal(scale=3.0, size=(batch.temperature.shape[0], VOCAB)).astype(np.float32)
-    host = step_stages(batch, np.full(4, -1, np.int32), VOCAB)
+    host = host_stages(batch, np.full(8, -1, np.int32))
     expected = sampled(logits, batch, state, DEVICE_DECIDES, "cpu", monkeypatch)
     wants = batch.wants_top_logprobs
     for stages in (host, ALL_RUN):
@@ -90,16 +106,19 @@ def test_samples_are_the_same_whoever_decides_the_stages(name, monkeypatch):
 
 
 def test_the_host_runs_only_the_stages_its_rows_need():
-    no_targets, targets = np.full(4, -1, np.int32), np.array([-1, 7, 3, -1], np.int32)
-    assert step_stages(batch_of(BATCHES["greedy"]), no_targets, VOCAB) == PLAIN
-    assert str(step_stages(batch_of(BATCHES["greedy"]), targets, VOCAB)) == "stages prompt_scores"
-    assert str(step_stages(batch_of(BATCHES["greedy and a grammar"]), no_targets, VOCAB)) == "stages adjust"
-    assert str(step_stages(batch_of(BATCHES["temperature"]), no_targets, VOCAB)) == "stages draw"
-    everything = step_stages(batch_of(BATCHES["everything"]), targets, VOCAB)
+    no_targets, targets = np.full(8, -1, np.int32), np.array([-1, 7, 3, -1, -1, -1, -1, -1], np.int32)
+    assert host_stages(batch_of(BATCHES["greedy"]), no_targets) == PLAIN
+    assert str(host_stages(batch_of(BATCHES["greedy"]), targets)) == "stages prompt_scores"
+    assert str(host_stages(batch_of(BATCHES["greedy and a grammar"]), no_targets)) == "stages adjust"
+    assert str(host_stages(batch_of(BATCHES["temperature"]), no_targets)) == "stages draw"
+    # penalties read the token history the step records; a deferred grammar row's logits are kept
+    assert str(host_stages(batch_of(BATCHES["greedy with penalties"]), no_targets)) == "stages adjust, carry"
+    assert str(host_stages(batch_of(BATCHES["greedy"]), no_targets, deferred=True)) == "stages carry"
+    everything = host_stages(batch_of(BATCHES["everything"]), targets)
     assert everything == ALL_RUN
     # top-k at the whole vocabulary, and top-p of 1, filter nothing; a greedy row's filters do not apply
     unfiltered = [SamplingParams(top_k=VOCAB), SamplingParams(top_p=1.0), SamplingParams(temperature=0, top_k=3)]
-    assert str(step_stages(batch_of(unfiltered), no_targets, VOCAB)) == "stages draw"
+    assert str(host_stages(batch_of(unfiltered), no_targets)) == "stages draw"
 
 
 def test_prompt_scores_are_the_same_whoever_decides():
@@ -160,9 +179,37 @@ def test_an_engine_whose_host_decides_the_stages_serves_the_same_tokens(
             assert out.prompt_logprobs == expected.prompt_logprobs
         steps.finish()
     combinations = {stages for _, stages in steps.compiled} - {DEVICE_DECIDES, PLAIN}
-    assert {"draw", "filters", "adjust", "logprobs", "prompt_scores"} <= {
+    assert {"draw", "filters", "adjust", "logprobs", "prompt_scores", "carry"} <= {
         name for stages in combinations for name in str(stages).removeprefix("stages ").split(", ")
     }, combinations
+    assert_engine_idle(engine)
+
+
+def test_deferred_grammar_rows_keep_their_logits_where_the_host_decides(tiny_llama_checkpoint, monkeypatch):
+    """Greedy grammar rows sampled after launch: their step runs no `adjust` stage (their masks come later)
+    but must keep their logits for the deferred draw (the `carry` stage). The tokens are those of steps that
+    wait for their predecessor and sample the rows themselves."""
+    monkeypatch.setattr(runner_module, "host_decides", lambda platform: True)
+    engine = tiny_llm(tiny_llama_checkpoint[0])
+    runner = engine.engine.runner
+    runner.start_deferred_sampling()
+    deadline = time.monotonic() + 300
+    while not runner.deferred.ready:  # compiled in the background
+        assert time.monotonic() < deadline, "the deferred sampling calls did not compile"
+        time.sleep(0.05)
+    batch = prompts(3, seed=31)
+    params = [constrained(regex="[a-z ]{5,30}[.]"), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              constrained(choice=["one", "two", "three"])]  # fmt: skip
+    drawn, sample_deferred = [], runner.sample_deferred
+    monkeypatch.setattr(runner, "sample_deferred", lambda *args: drawn.append(len(args[1])) or sample_deferred(*args))
+    engine.generate(batch, params, use_tqdm=False)
+    runner.steps.finish()  # (now on the executables of their own stages)
+    drawn.clear()
+    after_launch = token_ids(engine.generate(batch, params, use_tqdm=False))
+    assert drawn  # grammar rows were drawn after launch
+    assert any(str(stages) == "stages carry" for _, stages in runner.steps.compiled)
+    monkeypatch.setattr(type(runner), "defers_grammar", property(lambda self: False))
+    assert token_ids(engine.generate(batch, params, use_tqdm=False)) == after_launch
     assert_engine_idle(engine)
 
 

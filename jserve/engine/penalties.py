@@ -36,8 +36,10 @@ def update_penalty_state(
     recorded: jax.Array,
     reset_slots: jax.Array,
     reset: jax.Array,
+    gate: Gate = Gate.WHEN_NEEDED,
 ) -> PenaltyState:
-    """Clears the rows reset_slots[i] where reset[i], then records the input tokens [T] marked `recorded`.
+    """Clears the rows reset_slots[i] where reset[i], then records the input tokens [T] marked `recorded`
+    (`gate`: the step's carry stage, see carried_state.update_if).
 
     Prompt tokens mark prompt_mask, output tokens (generated earlier, fed back) add 1 to output_counts.
     Each token is fed as input exactly once, so counting inputs counts each token once.
@@ -58,7 +60,7 @@ def update_penalty_state(
 
     # Clearing rows touches [S, V] of state; a step with nothing to record or clear skips it at run time where
     # that costs no copy (carried_state.py), and otherwise drops every row.
-    return update_if(jnp.any(recorded) | jnp.any(reset), record, state)
+    return update_if(jnp.any(recorded) | jnp.any(reset), record, state, gate=gate)
 
 
 def apply_penalties(

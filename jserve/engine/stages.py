@@ -40,6 +40,7 @@ class StepStages:
     filters: Gate = Gate.WHEN_NEEDED  # top-k and top-p
     logprobs: Gate = Gate.WHEN_NEEDED  # the sampled token's logprob and the top ones
     prompt_scores: Gate = Gate.WHEN_NEEDED  # prompt logprobs
+    carry: Gate = Gate.WHEN_NEEDED  # state later steps read: penalised rows' token history, deferred rows' logits
 
     def __str__(self) -> str:
         running = [f.name for f in fields(self) if getattr(self, f.name) is Gate.RUN]
@@ -81,18 +82,21 @@ def filtered_rows(sampling, vocab_size: int):
     return (sampling.temperature != 0) & (top_k_rows(sampling, vocab_size) | (sampling.top_p < 1))
 
 
-def step_stages(sampling, prompt_targets: np.ndarray, vocab_size: int) -> StepStages:
-    """The stages a step's rows need, from its host arrays (a SamplingBatch of numpy arrays). Logit bias
-    rows arrive as numpy arrays only when some row has a bias (else the runner's constant on the device)."""
+def step_stages(step, vocab_size: int) -> StepStages:
+    """The stages a step's rows need, from its host arrays (a StepInput of numpy arrays). Logit bias rows
+    arrive as numpy arrays only when some row has a bias (else the runner's constant on the device)."""
 
     def gate(needed) -> Gate:
         return Gate.RUN if needed else Gate.SKIP
 
+    sampling, penalties = step.sampling, step.penalties
     biased = isinstance(sampling.bias_ids, np.ndarray) and bool((sampling.bias_ids >= 0).any())
     return StepStages(
         adjust=gate(biased or penalised_rows(sampling).any() or np.asarray(sampling.constrained).any()),
         draw=gate((sampling.temperature != 0).any()),
         filters=gate(filtered_rows(sampling, vocab_size).any()),
         logprobs=gate(sampling.wants_top_logprobs.any()),
-        prompt_scores=gate((prompt_targets >= 0).any()),
+        prompt_scores=gate((step.prompt_targets >= 0).any()),
+        # (a deferred grammar row is not `constrained` in its step: its mask comes after launch)
+        carry=gate(penalties.recorded.any() or penalties.reset.any() or step.deferred.any()),
     )

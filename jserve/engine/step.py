@@ -39,7 +39,7 @@ from jserve.engine.sampler import (
     update_penalty_state,
 )
 from jserve.engine.speculation import DeviceProposer, ProposingRows
-from jserve.engine.stages import StepStages
+from jserve.engine.stages import Gate, StepStages
 from jserve.engine.step_packing import PackedStep, StepPacking
 from jserve.models.forward import forward_states
 from jserve.models.low_rank import Adapters, SlotWeights
@@ -136,7 +136,7 @@ def engine_step(
     with jax.named_scope("sampling"):
         p = step.penalties
         penalty_state = update_penalty_state(
-            penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset
+            penalty_state, token_ids, p.token_slots, p.is_output, p.recorded, p.reset_slots, p.reset, stages.carry
         )
         out = sample(logits, step.sampling, penalty_state, stages)
         verified = verify_drafts(head, hidden, step.verify, step.sampling, penalty_state)
@@ -152,7 +152,7 @@ def engine_step(
                 )  # fmt: skip
     num_rows = out.token_ids.shape[0]
     with jax.named_scope("sampling"):
-        held = hold_logits(sampled.held_logits, logits, step.deferred)
+        held = hold_logits(sampled.held_logits, logits, step.deferred, stages.carry)
         # (a concatenation, not `.at[:num_rows].set`: XLA:GPU makes that update a memcpy outside the step's
         # CUDA graph, splitting it in two)
         tokens = jnp.concatenate([out.token_ids, sampled.token_ids[num_rows:]])
@@ -161,9 +161,10 @@ def engine_step(
     return outputs, kv_cache, proposer_kv, penalty_state, sampled
 
 
-def hold_logits(held: jax.Array, logits: jax.Array, deferred: jax.Array) -> jax.Array:
+def hold_logits(held: jax.Array, logits: jax.Array, deferred: jax.Array, gate: Gate = Gate.WHEN_NEEDED) -> jax.Array:
     """The step's logits [R, V] written over the first R rows of `held` when a row defers its sampling
-    (`deferred` [R]), for sample_deferred; else `held` as it is (written in place: the carry is donated)."""
+    (`deferred` [R]), for sample_deferred; else `held` as it is (written in place: the carry is donated).
+    `gate`: the step's carry stage (carried_state.update_if)."""
     num_rows = logits.shape[0]
     deferring, logits = jnp.any(deferred), jnp.asarray(logits, jnp.float32)
     rows = jnp.where(deferring, jnp.arange(num_rows), held.shape[0])  # (the masked form's: past the end, dropped)
@@ -172,6 +173,7 @@ def hold_logits(held: jax.Array, logits: jax.Array, deferred: jax.Array) -> jax.
         lambda held: held.at[:num_rows].set(logits),
         held,
         masked=lambda held: held.at[rows].set(logits, mode="drop"),
+        gate=gate,
     )
 
 

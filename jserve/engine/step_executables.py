@@ -54,7 +54,7 @@ class StepExecutables:
         """The stages a step needs run, as its executable would have them."""
         if not self.host_decides:
             return DEVICE_DECIDES
-        return step_stages(step.sampling, step.prompt_targets, self.vocab_size)
+        return step_stages(step, self.vocab_size)
 
     def warm_up_stages(self) -> list[StepStages]:
         """What each bucket compiles at warm-up (its all-padding step needs no stage)."""
