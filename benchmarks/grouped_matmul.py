@@ -11,6 +11,7 @@ one dense GEMM over every row and every expert):
         --backends tiled ragged pallas                                                 # CPU (pallas interpreted)
 
 Backends: `pallas` (pallas_kernels/gpu/grouped_matmul.py; interpreted off GPUs: its times then mean nothing),
+`gated` (the same kernel storing SiLU(gate) * up, half the output: an expert MLP's first half as the step runs it),
 `ragged` (jax.lax.ragged_dot), `tiled` (jserve's walk in tiles: the CPU's form). `--int8` gives the experts
 int8 weights with a scale per output (pallas and tiled only). `--tune SECONDS` then searches the Pallas
 kernel's launch settings (GroupedLaunch: row tile, output and input blocks, warps, pipelining stages) at
@@ -40,6 +41,7 @@ def backends(interpret: bool) -> dict:
     """name -> fn(x, w, group_sizes, scale) of each way of computing the projection."""
     return {
         "pallas": partial(kernel.grouped_matmul, interpret=interpret),
+        "gated": partial(kernel.grouped_matmul, gated="silu", interpret=interpret),
         "ragged": lambda x, w, sizes, scale: jax.lax.ragged_dot_general(x, w, sizes, model_grouped_matmul._DIMENSIONS),
         "tiled": partial(model_grouped_matmul._tiled, activation_group=0),
     }
@@ -97,7 +99,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 2048])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--backends", nargs="+", default=["pallas", "ragged"], choices=["pallas", "ragged", "tiled"])
+    parser.add_argument("--backends", nargs="+", default=["pallas", "ragged"], choices=list(backends(False)))
     parser.add_argument("--int8", action="store_true", help="int8 expert weights, a float32 scale per output")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tune", type=float, default=0, metavar="SECONDS", help="then search pallas' launch settings")
@@ -139,10 +141,11 @@ def main() -> None:
             run = partial(jax.jit(partial(fns[name], scale=scale)), x, w, sizes)
             timings[name] = median_seconds(run, args.repeats)
         for name, seconds in timings.items():
+            traffic = moved - (name == "gated") * rows * out_features // 2 * dtype.itemsize  # (half the output)
             ratio = f"{timings['ragged'] / seconds:9.2f}x" if "ragged" in timings else ""
-            print(f"{tokens:6d} {rows:6d} {name:>8} {seconds * 1e3:9.3f} {moved / seconds / 1e9:8.1f} "
+            print(f"{tokens:6d} {rows:6d} {name:>8} {seconds * 1e3:9.3f} {traffic / seconds / 1e9:8.1f} "
                   f"{flops / seconds / 1e12:8.2f} {ratio:>10}")  # fmt: skip
-            results.append(dict(tokens=tokens, rows=rows, backend=name, ms=seconds * 1e3, bytes=moved, flops=flops))
+            results.append(dict(tokens=tokens, rows=rows, backend=name, ms=seconds * 1e3, bytes=traffic, flops=flops))
     if args.tune:
 
         def launch_seconds(launch, x, w, sizes, scale) -> float:

@@ -52,17 +52,21 @@ def test_triton_kernel_matches_reference(name, blocks):
 
 @pytest.mark.parametrize("case", GROUPED_CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
-def test_grouped_matmul_kernel_matches_each_groups_product(case, dtype):
+@pytest.mark.parametrize("gated", [None, "silu"])
+def test_grouped_matmul_kernel_matches_each_groups_product(case, dtype, gated):
+    """Each group's product, or (gated) act(gate) * up of the weight's two halves."""
     rows, spec, block_m = GROUPED_CASES[case]
-    x, w, sizes, scale = operands(rows, spec, dtype)
+    x, w, sizes, scale = operands(rows, spec, dtype, out_features=64)
     with jax.default_matmul_precision("highest"):
-        out = jax.jit(grouped_matmul, static_argnames="launch")(
-            x, w, jnp.asarray(sizes), scale, launch=GroupedLaunch(block_m)
+        out = jax.jit(grouped_matmul, static_argnames=("launch", "gated"))(
+            x, w, jnp.asarray(sizes), scale, gated=gated, launch=GroupedLaunch(block_m, block_n=16)
         )
+    expected = reference(x, w, sizes, scale)
+    if gated:
+        gate, up = np.split(expected, 2, axis=-1)
+        expected = np.asarray(jax.nn.silu(gate)) * up
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
-    np.testing.assert_allclose(
-        np.asarray(out, np.float64), reference(x, w, sizes, scale), rtol=tolerance, atol=tolerance
-    )
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=tolerance, atol=tolerance)
     assert (np.asarray(out[int(sizes.sum()) :], np.float32) == 0).all()
 
 

@@ -77,6 +77,24 @@ def test_the_kernel_matches_each_groups_product_in_interpret_mode(case, dtype):
     assert (padding == 0).all()  # written, as zeros: not left as whatever the buffer held
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gated_kernel_gives_act_of_gate_times_up(case, dtype, activation):
+    """gated: the weight's outputs are an expert MLP's gate, then its up projection; the kernel stores
+    act(gate) * up, half as wide (the padding rows' zeros too)."""
+    rows, spec, block_m = CASES[case]
+    x, w, sizes, scale = operands(rows, spec, dtype, out_features=64)
+    launch = GroupedLaunch(block_m=block_m, block_n=16)  # (several output blocks of each half)
+    out = grouped_matmul(x, w, jnp.asarray(sizes), scale, gated=activation, launch=launch, interpret=True)
+    assert out.shape == (rows, 32) and out.dtype == x.dtype
+    gate, up = np.split(reference(x, w, sizes, scale), 2, axis=-1)
+    act = np.asarray(jax.nn.gelu(gate, approximate=True) if activation == "gelu_tanh" else jax.nn.silu(gate))
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float64), act * up, rtol=tolerance, atol=tolerance)
+    assert (np.asarray(out[int(sizes.sum()) :], np.float32) == 0).all()
+
+
 @pytest.mark.parametrize("sizes", [[0, 17, 3, 0, 29, 5], [16, 16, 0], [1] * 7, [0, 0, 0], [40]])
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_every_row_is_stored_by_one_visit_of_its_own_group(sizes, block_m):
@@ -120,6 +138,8 @@ def test_row_tiles_are_as_large_as_the_rows_allow():
 
 def test_the_kernel_refuses_weights_its_blocks_do_not_divide():
     assert supports(in_features=2048, out_features=1536) and not supports(in_features=24, out_features=1536)
+    assert supports(in_features=2048, out_features=1536, gated=True)  # halves of 768
+    assert not supports(in_features=2048, out_features=48, gated=True)  # halves of 24
     with pytest.raises(ValueError, match="multiples of 16"):
         grouped_matmul(jnp.ones((4, 24)), jnp.ones((2, 32, 24)), jnp.asarray([2, 2]), interpret=True)
 
@@ -161,15 +181,22 @@ def test_other_platforms_keep_their_own_grouped_matmuls():
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
 def test_an_engine_on_the_kernel_gives_transformers_greedy_tokens(tmp_path, monkeypatch, variant):
-    """The experts' projections on the kernel (interpreted here) inside the engine: float32 greedy tokens of
-    tiny Mixtral and Qwen3-MoE models, chunked prefills beside decodes, equal transformers'."""
+    """The experts' projections on the kernel (interpreted here; gate and up in one, gated) inside the engine:
+    float32 greedy tokens of tiny Mixtral and Qwen3-MoE models, chunked prefills beside decodes, equal
+    transformers'."""
     traced = []
 
     def on_the_kernel(x, w, group_sizes, scale=None, activation_group=0):
         traced.append(x.shape)
         return grouped_matmul(x, w, group_sizes, scale, interpret=True)
 
+    def gated_on_the_kernel(x, w, group_sizes, scale=None, activation_group=0, gelu=False):
+        traced.append(x.shape)
+        activation = "gelu_tanh" if gelu else "silu"
+        return grouped_matmul(x, w, group_sizes, scale, gated=activation, interpret=True)
+
     monkeypatch.setattr(moe, "grouped_matmul", on_the_kernel)
+    monkeypatch.setattr(moe, "grouped_gated_matmul", gated_on_the_kernel)
     family, overrides = VARIANTS[variant]
     hf_model = save_tiny_checkpoint(tmp_path, family, **overrides)
     batch = prompts(4, seed=3, low=5, high=40)

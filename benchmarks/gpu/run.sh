@@ -60,14 +60,14 @@ if [ "$DRY_RUN" = 1 ]; then  # toy sizes on the CPU: every code path, in a few m
   WEIGHTS_MODEL="random:smollm2-135m" LORA_CONCURRENCY=4 LORA_KV_BYTES=$((64 << 20))
   KERNEL_ARGS="--shape smollm2-135m --dtype float32 --seqs 4 --context 128 --chunk 32 --backends cpu reference"
   TUNE_ARGS="--shape smollm2-135m --dtype float32 --seqs 2 --context 64 --chunk 16 --backends reference --repeats 1"
-  MOE_ARGS="--shape smollm2-135m-moe --dtype float32 --tokens 1 16 --repeats 2" MOE_BACKENDS="tiled ragged pallas"
+  MOE_ARGS="--shape smollm2-135m-moe --dtype float32 --tokens 1 16 --repeats 2" MOE_BACKENDS="tiled ragged pallas gated"
 else
   MODEL="random:llama3-8b" CONTEXT=1024 MAX_LEN=1280 SEQS=256 TOKENS=2048 KV=$((48 << 30))
   DECODE_BATCHES="1 16 64 256" PROFILE_BATCHES="1 64" PREFILL_SEQS=16 CONCURRENCY="1 64 256" OUTPUT_LEN=128
   WEIGHTS_MODEL="random:llama3.2-1b" LORA_CONCURRENCY=64 LORA_KV_BYTES=$((8 << 30))
   KERNEL_ARGS="--shape llama3-8b --seqs 64 --context 2048 --chunk 512 --backends pallas pallas-mosaic-gpu reference"
   TUNE_ARGS="--shape llama3-8b --seqs 64 --context 2048 --chunk 512 --backends pallas --repeats 10"
-  MOE_ARGS="--shape qwen3-30b-a3b --tokens 1 256 2048 --repeats 20" MOE_BACKENDS="pallas ragged"
+  MOE_ARGS="--shape qwen3-30b-a3b --tokens 1 256 2048 --repeats 20" MOE_BACKENDS="pallas gated ragged"
 fi
 ENGINE_ARGS="--max-model-len $MAX_LEN --kv-cache-memory $KV --max-num-batched-tokens $TOKENS"
 

@@ -19,6 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jserve.models.mlp import gated
 from jserve.models.quantization import int8_matmul, quantize_groups
 
 TILE_ROWS = 32
@@ -42,6 +43,34 @@ def grouped_matmul(
     tiled = partial(_tiled, scale=None, activation_group=0)
     gpu = partial(_gpu, scale=None, activation_group=0, otherwise=_ragged)
     return jax.lax.platform_dependent(x, w, group_sizes, cpu=tiled, cuda=gpu, default=_ragged)
+
+
+def grouped_gated_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    scale: jax.Array | None = None,
+    activation_group: int = 0,
+    gelu: bool = False,
+) -> jax.Array:
+    """act(gate) * up of a gated MLP's fused gate and up projections: w [G, 2 * inner, in], gate's outputs
+    then up's (as grouped_matmul takes them); act SiLU, or tanh-approximated GELU. -> [M, inner]. On NVIDIA
+    GPUs one kernel computes both halves and the product; elsewhere grouped_matmul, then the product."""
+
+    def separately(x, w, group_sizes, scale):
+        gate, up = jnp.split(grouped_matmul(x, w, group_sizes, scale, activation_group), 2, axis=-1)
+        return gated(gate, up, gelu)
+
+    def gpu(x, w, group_sizes, scale):
+        from pallas_kernels.gpu import grouped_matmul as kernel
+
+        if not kernel.supports(in_features=w.shape[2], out_features=w.shape[1], gated=True):
+            return separately(x, w, group_sizes, scale)
+        rows = quantize_groups(x, activation_group) if scale is not None and activation_group else x
+        activation = "gelu_tanh" if gelu else "silu"
+        return kernel.grouped_matmul(rows, w, group_sizes, scale, gated=activation).astype(x.dtype)
+
+    return jax.lax.platform_dependent(x, w, group_sizes, scale, cuda=gpu, default=separately)
 
 
 def _ragged(x, w, group_sizes):

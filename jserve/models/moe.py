@@ -18,10 +18,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jserve.config import ModelConfig
-from jserve.models import fused
-from jserve.models.grouped_matmul import grouped_matmul
+from jserve.models.grouped_matmul import grouped_gated_matmul, grouped_matmul
 from jserve.models.linear import Linear
-from jserve.models.mlp import gated
 from jserve.models.norm import RMSNorm
 from jserve.models.quantization import Quantization
 from jserve.parallel import MODEL_AXIS, Parallelism, expert_spec
@@ -32,13 +30,16 @@ class ExpertProjection(Linear):
     scales when quantized), applied to rows sorted by expert."""
 
     def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        scale = None if self.weight_scale is None else self.weight_scale[...]
-        return grouped_matmul(rows, self.weight[...], group_sizes, scale, self.activation_group)
+        return grouped_matmul(rows, self.weight[...], group_sizes, self._scale(), self.activation_group)
 
-    def split_local(self, y: jax.Array) -> list[jax.Array]:
-        """The pieces of this device's output block (under shard_map each device holds one block of the
-        fused rows, its share of each piece: fused.py)."""
-        return fused.split(y, [width // self.shards for _, width in self.pieces], 1, axis=-1)
+    def gated(self, rows: jax.Array, group_sizes: jax.Array, gelu: bool) -> jax.Array:
+        """act(gate) * up of this fused gate and up projection. Under shard_map each device holds one block of
+        the fused rows, its share of each piece (fused.py): gate's, then up's, as grouped_gated_matmul takes them."""
+        scale, activation_group = self._scale(), self.activation_group
+        return grouped_gated_matmul(rows, self.weight[...], group_sizes, scale, activation_group, gelu)
+
+    def _scale(self) -> jax.Array | None:
+        return None if self.weight_scale is None else self.weight_scale[...]
 
 
 class Experts(nnx.Module):
@@ -52,8 +53,7 @@ class Experts(nnx.Module):
 
     def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """The gated MLP of each row's expert ([R, hidden] sorted by expert; rows past the groups give zeros)."""
-        gate, up = self.gate_up_proj.split_local(self.gate_up_proj(rows, group_sizes))
-        return self.down_proj(gated(gate, up, self.gelu), group_sizes)
+        return self.down_proj(self.gate_up_proj.gated(rows, group_sizes, self.gelu), group_sizes)
 
 
 class SparseMoE(nnx.Module):

@@ -11,6 +11,13 @@ weight once per tile its rows touch, and never the experts no row chose.
 
 int8 weights (a float32 scale per output) are widened to the rows' dtype block by block inside the kernel
 and scaled at the end: they cross memory as int8 and multiply exactly (|q| <= 127 is exact in bfloat16).
+
+`gated`: the weight is a gated MLP's fused gate and up projections (gate's outputs, then up's), and a program
+computes a block of both and stores act(gate) * up: an expert MLP's first half in one kernel, whose output
+is half as wide, with no [rows, 2 * inner] product written and read back between kernels.
+
+The rows need not fill the last tile: loads past them are masked (read as zeros) and stores too, so the
+step pads and slices nothing around the kernel.
 """
 
 from __future__ import annotations
@@ -42,9 +49,11 @@ class GroupedLaunch:
     num_stages: int = 2  # Triton's software pipelining of the loads
 
 
-def supports(in_features: int, out_features: int) -> bool:
-    """Whether the kernel takes weights [G, out, in]: both sizes multiples of MIN_DOT (blocks divide them)."""
-    return in_features % MIN_DOT == 0 and out_features % MIN_DOT == 0
+def supports(in_features: int, out_features: int, gated: bool = False) -> bool:
+    """Whether the kernel takes weights [G, out, in]: both sizes (gated: each half of out) multiples of MIN_DOT
+    (blocks divide them)."""
+    outputs = out_features // 2 if gated and out_features % 2 == 0 else out_features
+    return in_features % MIN_DOT == 0 and outputs % MIN_DOT == 0 and (not gated or out_features % 2 == 0)
 
 
 def row_block(rows: int, most: int) -> int:
@@ -58,34 +67,37 @@ def grouped_matmul(
     group_sizes: jax.Array,
     scale: jax.Array | None = None,
     *,
+    gated: str | None = None,
     launch: GroupedLaunch = GroupedLaunch(),
     interpret: bool = False,
 ) -> jax.Array:
     """x [M, in], its rows sorted by group; w [G, out, in] (int8 with `scale` float32 [G, out], or x's float
     type); group_sizes int32 [G], sum <= M: rows past the last group are padding and come back as zeros.
-    -> [M, out] in x's dtype."""
+    -> [M, out] in x's dtype; `gated` ("silu" or "gelu_tanh"): w's outputs are gate's then up's, and the
+    result is act(gate) * up, [M, out / 2]."""
     rows, in_features = x.shape
     groups, out_features, _ = w.shape
-    if not supports(in_features, out_features):
+    if not supports(in_features, out_features, gated is not None):
         raise ValueError(f"grouped_matmul needs in and out features multiples of {MIN_DOT}, got {w.shape}")
+    if gated not in (None, "silu", "gelu_tanh"):
+        raise ValueError(f"gated: 'silu' or 'gelu_tanh', got {gated!r}")
+    outputs = out_features // 2 if gated else out_features
     block_m = row_block(rows, launch.block_m)
-    tiles = pl.cdiv(rows, block_m)
-    x = x if tiles * block_m == rows else jnp.pad(x, ((0, tiles * block_m - rows), (0, 0)))
     # One slot more than the groups, for the padding rows; a power of two, as Triton's vectors are.
     sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, pl.next_power_of_2(groups + 1) - groups))
-    block_n, block_k = _block(out_features, launch.block_n), _block(in_features, launch.block_k)
-    kernel = functools.partial(_kernel, groups=groups, block_m=block_m, block_n=block_n, block_k=block_k)
+    block_n, block_k = _block(outputs, launch.block_n), _block(in_features, launch.block_k)
+    kernel = functools.partial(_kernel, groups=groups, block_m=block_m, block_n=block_n, block_k=block_k,
+                               gated=gated)  # fmt: skip
     scales = () if scale is None else (scale,)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(x.shape[:1] + (out_features,), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((rows, outputs), x.dtype),
         # every (tile, group) pair that can share rows: each group boundary inside a tile adds one
-        grid=(tiles + groups, out_features // block_n),
+        grid=(pl.cdiv(rows, block_m) + groups, outputs // block_n),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         name="grouped_matmul",
     )(sizes, x, w, *scales)
-    return out if tiles * block_m == rows else out[:rows]
 
 
 def _block(features: int, most: int) -> int:
@@ -95,13 +107,14 @@ def _block(features: int, most: int) -> int:
 
 def _kernel(
     sizes_ref,  # [S] int32: the groups' rows, zeros past them (S a power of two > groups)
-    x_ref,  # [tiles * block_m, in]
+    x_ref,  # [M, in]
     w_ref,  # [groups, out, in]
-    *refs,  # (scale [groups, out],) out [tiles * block_m, out]
+    *refs,  # (scale [groups, out],) out [M, out] (gated: [M, out / 2])
     groups: int,
     block_m: int,
     block_n: int,
     block_k: int,
+    gated: str | None,
 ):
     *scale_ref, out_ref = refs
     visit, column_block = pl.program_id(0), pl.program_id(1)
@@ -109,20 +122,30 @@ def _kernel(
 
     @pl.when(visit < count)
     def _():
-        rows, columns = pl.ds(first_row, block_m), pl.ds(column_block * block_n, block_n)
+        rows = pl.ds(first_row, block_m)
+        in_rows = (first_row + jnp.arange(block_m) < x_ref.shape[0])[:, None]  # (the last tile's may end early)
+        # the output block's weight rows: gated, gate's block and up's (half the outputs on)
+        halves = (0, out_ref.shape[1]) if gated else (0,)
+        columns = [pl.ds(half + column_block * block_n, block_n) for half in halves]
         weight = jnp.minimum(group, groups - 1)  # (the padding rows read no weight: their loop runs 0 times)
 
-        def accumulate(step, acc):
+        def accumulate(step, accs):
             inputs = pl.ds(step * block_k, block_k)
-            x = x_ref[rows, inputs]
-            w = w_ref[weight, columns, inputs].astype(x.dtype)
-            return acc + _dot(x, w.T)
+            x = plt.load(x_ref.at[rows, inputs], mask=in_rows, other=0)
+            products = [_dot(x, w_ref[weight, c, inputs].astype(x.dtype).T) for c in columns]
+            return tuple(acc + product for acc, product in zip(accs, products, strict=True))
 
         steps = (group < groups).astype(jnp.int32) * (x_ref.shape[1] // block_k)
-        acc = jax.lax.fori_loop(jnp.int32(0), steps, accumulate, jnp.zeros((block_m, block_n), jnp.float32))
+        zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in columns)
+        accs = jax.lax.fori_loop(jnp.int32(0), steps, accumulate, zeros)
         if scale_ref:
-            acc = acc * scale_ref[0][weight, columns][None, :]
-        plt.store(out_ref.at[rows, columns], acc.astype(out_ref.dtype), mask=mine[:, None])
+            accs = tuple(acc * scale_ref[0][weight, c][None, :] for acc, c in zip(accs, columns, strict=True))
+        out = _activation(accs[0], gated) * accs[1] if gated else accs[0]
+        plt.store(out_ref.at[rows, columns[0]], out.astype(out_ref.dtype), mask=mine[:, None])
+
+
+def _activation(gate: jax.Array, name: str) -> jax.Array:
+    return jax.nn.gelu(gate, approximate=True) if name == "gelu_tanh" else jax.nn.silu(gate)
 
 
 def find_visit(sizes, visit, groups: int, block_m: int, rows: int):
