@@ -44,6 +44,17 @@ def test_full_sequence_logits_match_transformers(checkpoint):
     np.testing.assert_allclose(ours, theirs, atol=LOGITS_ATOL, rtol=0)
 
 
+def test_experts_weighted_without_renormalizing_match_transformers(tmp_path):
+    """Qwen3-MoE with norm_topk_prob false (Qwen2-MoE's way): the top k's softmax weights as they are."""
+    family, overrides = VARIANTS["qwen3_moe"]
+    reference = save_tiny_checkpoint(tmp_path, family, **overrides | {"norm_topk_prob": False})
+    model = load_model(tmp_path, dtype="float32")
+    assert not model.config.norm_topk_prob
+    ids = np.random.default_rng(3).integers(0, VOCAB_SIZE, 30).tolist()
+    np.testing.assert_allclose(jserve_prompt_logits(model, ids), reference_logits(reference, ids), atol=LOGITS_ATOL,
+                               rtol=0)  # fmt: skip
+
+
 @pytest.mark.parametrize("max_model_len, length", [(None, 45), (32, 20)])
 def test_longrope_factors_follow_the_served_context(tmp_path, max_model_len, length):
     """Phi-3's longrope trained for 32 positions and extended to 256: serving past 32 uses the long factors

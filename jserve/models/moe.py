@@ -89,13 +89,15 @@ class SparseMoE(nnx.Module):
     def route(self, x: jax.Array, real_rows: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """(float32 weights [T, k], experts int32 [T, k]) of each token: softmax over all experts, the top k,
         renormalized over those if the model says so; padding rows get the no-expert id num_experts."""
-        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
-        weights, chosen = jax.lax.top_k(probs, self.top_k)
-        if self.normalize:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
+        logits = self.gate(x).astype(jnp.float32)
+        if self.normalize:  # the top k of a softmax, renormalized, are the softmax of the top k logits
+            top, chosen = jax.lax.top_k(logits, self.top_k)
+            weights = jax.nn.softmax(top, axis=-1)
+        else:
+            weights, chosen = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), self.top_k)
         if real_rows is not None:
             padding = jnp.arange(x.shape[0]) >= real_rows[0]
-            chosen = jnp.where(padding[:, None], probs.shape[-1], chosen)
+            chosen = jnp.where(padding[:, None], logits.shape[-1], chosen)
         return weights, chosen.astype(jnp.int32)
 
 

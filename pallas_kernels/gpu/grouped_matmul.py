@@ -83,8 +83,6 @@ def grouped_matmul(
         raise ValueError(f"gated: 'silu' or 'gelu_tanh', got {gated!r}")
     outputs = out_features // 2 if gated else out_features
     block_m = row_block(rows, launch.block_m)
-    # One slot more than the groups, for the padding rows; a power of two, as Triton's vectors are.
-    sizes = jnp.pad(group_sizes.astype(jnp.int32), (0, pl.next_power_of_2(groups + 1) - groups))
     block_n, block_k = _block(outputs, launch.block_n), _block(in_features, launch.block_k)
     kernel = functools.partial(_kernel, groups=groups, block_m=block_m, block_n=block_n, block_k=block_k,
                                gated=gated)  # fmt: skip
@@ -97,7 +95,7 @@ def grouped_matmul(
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         name="grouped_matmul",
-    )(sizes, x, w, *scales)
+    )(group_sizes.astype(jnp.int32), x, w, *scales)
 
 
 def _block(features: int, most: int) -> int:
@@ -106,7 +104,7 @@ def _block(features: int, most: int) -> int:
 
 
 def _kernel(
-    sizes_ref,  # [S] int32: the groups' rows, zeros past them (S a power of two > groups)
+    sizes_ref,  # [groups] int32: the groups' rows
     x_ref,  # [M, in]
     w_ref,  # [groups, out, in]
     *refs,  # (scale [groups, out],) out [M, out] (gated: [M, out / 2])
@@ -118,7 +116,11 @@ def _kernel(
 ):
     *scale_ref, out_ref = refs
     visit, column_block = pl.program_id(0), pl.program_id(1)
-    group, first_row, mine, count = find_visit(sizes_ref[...], visit, groups, block_m, x_ref.shape[0])
+    # One slot more than the groups, for the padding rows; a power of two, as Triton's vectors are (read
+    # as zeros past the groups: nothing pads the sizes before the kernel).
+    slot = jnp.arange(pl.next_power_of_2(groups + 1))
+    sizes = plt.load(sizes_ref.at[pl.ds(0, slot.shape[0])], mask=slot < groups, other=0)
+    group, first_row, mine, count = find_visit(sizes, visit, groups, block_m, x_ref.shape[0])
 
     @pl.when(visit < count)
     def _():
