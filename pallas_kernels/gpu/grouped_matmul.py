@@ -52,8 +52,8 @@ class GroupedLaunch:
 def supports(in_features: int, out_features: int, gated: bool = False) -> bool:
     """Whether the kernel takes weights [G, out, in]: both sizes (gated: each half of out) multiples of MIN_DOT
     (blocks divide them)."""
-    outputs = out_features // 2 if gated and out_features % 2 == 0 else out_features
-    return in_features % MIN_DOT == 0 and outputs % MIN_DOT == 0 and (not gated or out_features % 2 == 0)
+    halves = 2 if gated else 1
+    return in_features % MIN_DOT == 0 and out_features % (halves * MIN_DOT) == 0
 
 
 def row_block(rows: int, most: int) -> int:
