@@ -6,7 +6,6 @@ that did not ask for it as skipping it would; and a stage the host leaves out mu
 """
 
 import dataclasses
-import time
 from types import SimpleNamespace
 
 import jax
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from sampling_rows import SamplingRow, build_sampling_batch
-from test_structured import constrained
+from test_structured import constrained, start_deferred_sampling
 
 from jserve import SamplingParams
 from jserve.engine import runner as runner_module
@@ -192,11 +191,7 @@ def test_deferred_grammar_rows_keep_their_logits_where_the_host_decides(tiny_lla
     monkeypatch.setattr(runner_module, "host_decides", lambda platform: True)
     engine = tiny_llm(tiny_llama_checkpoint[0])
     runner = engine.engine.runner
-    runner.start_deferred_sampling()
-    deadline = time.monotonic() + 300
-    while not runner.deferred.ready:  # compiled in the background
-        assert time.monotonic() < deadline, "the deferred sampling calls did not compile"
-        time.sleep(0.05)
+    start_deferred_sampling(runner)
     batch = prompts(3, seed=31)
     params = [constrained(regex="[a-z ]{5,30}[.]"), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               constrained(choice=["one", "two", "three"])]  # fmt: skip

@@ -37,6 +37,15 @@ def constrained(seed=None, temperature=0.0, max_tokens=MAX_TOKENS, **spec) -> Sa
     )
 
 
+def start_deferred_sampling(runner) -> None:
+    """Compile the runner's deferred grammar sampling (in the background, as the engine does) and wait for it."""
+    runner.start_deferred_sampling()
+    deadline = time.monotonic() + 300
+    while not runner.deferred.ready:
+        assert time.monotonic() < deadline, "the deferred sampling calls did not compile"
+        time.sleep(0.05)
+
+
 def validate(text: str, schema: dict) -> None:
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     validator.validate(json.loads(text))
@@ -113,11 +122,7 @@ def test_grammar_rows_drawn_after_launch_give_the_tokens_of_waiting(llm, monkeyp
     once the host has its mask (the other rows keep their overlap): the tokens are those of a step that waits
     for its predecessor and samples the row itself."""
     runner = llm.engine.runner
-    runner.start_deferred_sampling()
-    deadline = time.monotonic() + 300
-    while not runner.deferred.ready:  # compiled in the background
-        assert time.monotonic() < deadline, "the deferred sampling calls did not compile"
-        time.sleep(0.05)
+    start_deferred_sampling(runner)
     batch = prompts(5, seed=31)
     params = [
         constrained(json=SCHEMAS["product"], disable_any_whitespace=True),
