@@ -57,19 +57,12 @@ def grouped_gated_matmul(
     then up's (as grouped_matmul takes them); act SiLU, or tanh-approximated GELU. -> [M, inner]. On NVIDIA
     GPUs one kernel computes both halves and the product; elsewhere grouped_matmul, then the product."""
 
-    def separately(x, w, group_sizes, scale):
+    def separately(x, w, group_sizes, scale=None):
         gate, up = jnp.split(grouped_matmul(x, w, group_sizes, scale, activation_group), 2, axis=-1)
         return gated(gate, up, gelu)
 
-    def gpu(x, w, group_sizes, scale):
-        from pallas_kernels.gpu import grouped_matmul as kernel
-
-        if not kernel.supports(in_features=w.shape[2], out_features=w.shape[1], gated=True):
-            return separately(x, w, group_sizes, scale)
-        rows = quantize_groups(x, activation_group) if scale is not None and activation_group else x
-        activation = "gelu_tanh" if gelu else "silu"
-        return kernel.grouped_matmul(rows, w, group_sizes, scale, gated=activation).astype(x.dtype)
-
+    activation = "gelu_tanh" if gelu else "silu"
+    gpu = partial(_gpu, activation_group=activation_group, otherwise=separately, gated=activation)
     return jax.lax.platform_dependent(x, w, group_sizes, scale, cuda=gpu, default=separately)
 
 
@@ -77,17 +70,17 @@ def _ragged(x, w, group_sizes):
     return jax.lax.ragged_dot_general(x, w, group_sizes, _DIMENSIONS)
 
 
-def _gpu(x, w, group_sizes, scale, activation_group, otherwise):
-    """The Pallas kernel, where its blocks divide the weight (else `otherwise`). int8 weights meet the rows as
-    they are (the int8 scheme's two digits approximate them to ~14 bits); w8a8's rows are rounded to its
-    digits first, in float32, as its dense projections on GPUs multiply them."""
+def _gpu(x, w, group_sizes, scale, activation_group, otherwise, gated: str | None = None):
+    """The Pallas kernel (`gated`: its gated form), where its blocks divide the weight (else `otherwise`).
+    int8 weights meet the rows as they are (the int8 scheme's two digits approximate them to ~14 bits);
+    w8a8's rows are rounded to its digits first, in float32, as its dense projections on GPUs multiply them."""
     # Imported when first traced (Pallas' Triton backend takes ~0.1 s to import: not every `import jserve`).
     from pallas_kernels.gpu import grouped_matmul as kernel
 
-    if not kernel.supports(in_features=w.shape[2], out_features=w.shape[1]):
+    if not kernel.supports(in_features=w.shape[2], out_features=w.shape[1], gated=gated is not None):
         return otherwise(x, w, group_sizes) if scale is None else otherwise(x, w, group_sizes, scale)
     rows = quantize_groups(x, activation_group) if scale is not None and activation_group else x
-    return kernel.grouped_matmul(rows, w, group_sizes, scale).astype(x.dtype)
+    return kernel.grouped_matmul(rows, w, group_sizes, scale, gated=gated).astype(x.dtype)
 
 
 def _tiled(x, w, group_sizes, scale, activation_group):
