@@ -1,10 +1,6 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The suite builds hundreds of engines on a few tiny shapes, and their steps compile in under a second each,
-# below JAX's threshold for the persistent cache: keep them all, so every later engine with the same shapes
-# (in this process, the other worker, or a test's subprocess, which inherits this) loads them instead.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
