@@ -1,5 +1,6 @@
 """Runs in a subprocess with several host CPU devices (XLA_FLAGS must be set before jax is imported):
-one model at several tensor-parallel sizes; prints JSON with greedy tokens, prompt logits and per-device bytes.
+one model at several tensor-parallel sizes; prints JSON with greedy tokens, prompt logits and per-device bytes,
+and what the model holds unsharded (its weights' bytes and KV heads, loaded without a mesh).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         python tests/tensor_parallel_worker.py MODEL QUANT SPEC TP [TP ...] [--expert-parallel]
@@ -22,6 +23,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from jserve import LLM, LoRARequest, SamplingParams
+from jserve.attention.kv_cache import kv_cache_bytes_per_token
+from jserve.loader import load_model
 from jserve.spec_decode import Speculator
 
 from tiny_models import jserve_prompt_logits
@@ -57,6 +60,7 @@ def main() -> None:
         folders = sys.argv[sys.argv.index("--lora") + 1].split(",")
         json.dump({tp: with_adapters(model, tp, folders) for tp in sizes}, sys.stdout)
         return
+    unsharded = unsharded_sizes(model, quantization)
     results = {}
     for tp in sizes:
         llm = LLM(
@@ -79,9 +83,11 @@ def main() -> None:
             "kv_bytes": bytes_per_device(llm.engine.runner.kv_cache),
             "num_kv_heads": llm.engine.model.config.num_kv_heads,
             "num_pages": llm.engine.config.num_pages,
+            "page_size": llm.engine.config.page_size,
             "kv_shard_shape": list(llm.engine.runner.kv_cache.k.addressable_shards[0].data.shape),
             "draft_tokens": llm.engine.stats.spec_draft_tokens,
             "accepted_tokens": llm.engine.stats.spec_accepted_tokens,
+            "unsharded": unsharded,
         }
         if update_from:
             llm.update_weights(update_from)
@@ -94,6 +100,16 @@ def main() -> None:
                     np.array_equal(weights[name], files[name]) for name in files
                 )
     json.dump(results, sys.stdout)
+
+
+def unsharded_sizes(model: str | None, quantization: str) -> dict:
+    """The model on one device as loaded (nothing compiled): what each device's share is measured against."""
+    loaded = load_model(model, "float32", quantization=quantization, progress_bars=False)
+    return {
+        "weight_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.params)),
+        "num_kv_heads": loaded.config.num_kv_heads,
+        "kv_bytes_per_token": kv_cache_bytes_per_token(loaded.config, np.float32),
+    }
 
 
 def embed(model: str, tp: int) -> dict:
