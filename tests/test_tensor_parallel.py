@@ -71,9 +71,14 @@ ONE_DEVICE_ATOL = 3e-4
 REFERENCE_ATOL = 1e-4 + ONE_DEVICE_ATOL
 
 
+def reference_tokens(reference) -> list[list[int]]:
+    """transformers' greedy tokens for the worker's prompts."""
+    return [reference_greedy(reference, ids, GREEDY.max_tokens) for ids in PROMPTS]
+
+
 def check_against_transformers(results: dict, reference, replicated_weight_bytes: int) -> None:
-    tokens = [reference_greedy(reference, ids, GREEDY.max_tokens) for ids in PROMPTS]
-    check_sharded(results, tokens, reference_logits(reference, PROMPTS[1]), REFERENCE_ATOL, replicated_weight_bytes)
+    logits = reference_logits(reference, PROMPTS[1])
+    check_sharded(results, reference_tokens(reference), logits, REFERENCE_ATOL, replicated_weight_bytes)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
@@ -130,7 +135,7 @@ def test_speculative_decoding_at_tp_2(tmp_path, method):
     like the target's: transformers' greedy tokens (one device's speculation: test_speculative*.py)."""
     reference = save_tiny_checkpoint(tmp_path, "llama")
     result = run_worker(str(tmp_path), [2], speculative=method)[2]
-    assert result["tokens"] == [reference_greedy(reference, ids, GREEDY.max_tokens) for ids in PROMPTS]
+    assert result["tokens"] == reference_tokens(reference)
     assert result["draft_tokens"] > 0
     if method == "draft":  # the model as its own draft: every proposal is the target's token
         assert result["accepted_tokens"] == result["draft_tokens"]
